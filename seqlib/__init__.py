@@ -1,0 +1,35 @@
+"""seqlib: PyTorch-compatible embeddings and recurrent networks for MLX.
+
+The library the book *Embeddings and Recurrent Networks in MLX* builds chapter by
+chapter.  Import it before ``mlx.core`` on Linux: the import routes MLX's matmuls
+to an optimised BLAS (see :mod:`seqlib._blas`).
+"""
+
+from seqlib._blas import route_mlx_blas as _route_mlx_blas
+
+_route_mlx_blas()  # must run before anything below imports mlx.core
+
+from seqlib import functional, kernels, nn  # noqa: E402
+from seqlib._blas import BlasRoutingWarning, BlasStatus  # noqa: E402
+from seqlib.nn import Embedding  # noqa: E402
+
+__version__ = "0.1.0"
+
+
+def blas_status() -> BlasStatus:
+    """How MLX's BLAS is set up in this process (routed to OpenBLAS or not, and why)."""
+    from seqlib import _blas
+
+    return _blas.status
+
+
+__all__ = [
+    "BlasRoutingWarning",
+    "BlasStatus",
+    "Embedding",
+    "__version__",
+    "blas_status",
+    "functional",
+    "kernels",
+    "nn",
+]

@@ -1,0 +1,61 @@
+"""seqlib as a package: public API, optional dependencies, and a real wheel install."""
+
+import importlib
+import subprocess
+import sys
+import sysconfig
+import venv
+from pathlib import Path
+
+import pytest
+
+import seqlib
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_version_and_public_api():
+    assert seqlib.__version__.count(".") == 2
+    for name in seqlib.__all__:
+        assert getattr(seqlib, name) is not None, name
+    for module_name in ("seqlib.nn", "seqlib.functional", "seqlib.kernels"):
+        module = importlib.import_module(module_name)
+        for name in module.__all__:
+            assert hasattr(module, name), f"{module_name}.{name}"
+    assert (Path(seqlib.__file__).parent / "py.typed").exists()
+
+
+def test_import_loads_no_optional_dependency():
+    code = "import sys, seqlib; print(sorted(m for m in ('torch', 'matplotlib', 'ipywidgets') if m in sys.modules))"
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert result.stdout.strip() == "[]"
+
+
+@pytest.mark.slow
+def test_wheel_installs_and_finds_its_kernel_sources(tmp_path):
+    """Build a wheel, install it into a scratch venv, and load a .metal source from the install."""
+    build = subprocess.run(
+        [sys.executable, "-m", "build", "--wheel", "--no-isolation", "--outdir", str(tmp_path / "dist"), str(ROOT)],
+        capture_output=True, text=True,
+    )  # fmt: skip
+    assert build.returncode == 0, build.stdout[-2000:] + build.stderr[-2000:]
+    (wheel,) = (tmp_path / "dist").glob("seqlib-*.whl")
+
+    env_dir = tmp_path / "venv"
+    venv.create(env_dir, with_pip=True)
+    python = env_dir / "bin" / "python"
+    subprocess.run([python, "-m", "pip", "install", "--quiet", "--no-deps", "--no-index", str(wheel)], check=True)
+
+    # Dependencies (mlx, numpy) come from this test's environment, after the scratch venv's own packages.
+    deps = sysconfig.get_paths()["purelib"]
+    code = (
+        f"import sys; sys.path.append({deps!r}); import seqlib; "
+        "print(seqlib.__file__); print(seqlib.kernels.kernel_dir()); "
+        "print(len(seqlib.kernels.kernel_source('embedding_gather')))"
+    )
+    result = subprocess.run([python, "-c", code], capture_output=True, text=True, cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    module_file, kernel_dir, length = result.stdout.split()
+    assert module_file.startswith(str(env_dir))
+    assert kernel_dir == str(Path(module_file).parent / "metal_kernels")
+    assert int(length) > 100
