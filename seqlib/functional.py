@@ -61,7 +61,7 @@ def _straight_through(weight: mx.array, replacement: mx.array) -> mx.array:
 
 @_straight_through.vjp
 def _straight_through_vjp(primals, cotangent, output):
-    weight, replacement = primals
+    _, replacement = primals
     return cotangent, mx.zeros_like(replacement)
 
 

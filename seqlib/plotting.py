@@ -9,7 +9,7 @@ from __future__ import annotations
 import matplotlib as mpl
 import matplotlib.pyplot as plt
 
-__all__ = ["COLORS", "use_book_style", "figure"]
+__all__ = ["COLORS", "figure", "use_book_style"]
 
 # Colour roles used across chapters, so the same idea keeps the same colour.
 COLORS = {

@@ -48,7 +48,7 @@ def test_module_matches_torch_output_gradient_and_renormalised_weight(case):
         max_norm=max_norm, norm_type=norm_type,
     )  # fmt: skip
     idx = mx.array(indices).astype(index_dtype)
-    scale = loss_weights(indices.shape + (weight.shape[1],))
+    scale = loss_weights((*indices.shape, weight.shape[1]))
 
     def loss(model, idx):
         return (model(idx) * mx.array(scale)).sum()

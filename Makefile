@@ -1,0 +1,60 @@
+# Two commands matter:  `make book` builds the book,  `make test` runs every check.
+# Both create .venv and install what they need first, so they work on a fresh clone.
+
+PYTHON ?= python3
+VENV   := .venv
+BIN    := $(VENV)/bin
+SANITIZE := tests/nbval_sanitize.cfg
+
+.DEFAULT_GOAL := help
+.PHONY: help book test lab unit nbval lint book-strict browser-test clean
+
+help:  ## list the targets
+	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-13s %s\n", $$1, $$2}'
+
+$(BIN)/python:
+	@echo "==> creating a virtual environment in $(VENV) with $$($(PYTHON) --version)"
+	@$(PYTHON) -c 'import sys; sys.exit("Python 3.10 or newer is needed") if sys.version_info < (3, 10) else None'
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet --upgrade pip
+
+$(VENV)/.book-installed: requirements.txt pyproject.toml | $(BIN)/python
+	@echo "==> installing seqlib and the book's requirements (requirements.txt)"
+	$(BIN)/pip install --quiet -r requirements.txt
+	@touch $@
+
+$(VENV)/.test-installed: requirements-test.txt $(VENV)/.book-installed
+	@echo "==> installing the test tools (requirements-test.txt)"
+	$(BIN)/pip install --quiet -r requirements-test.txt
+	@touch $@
+
+book: $(VENV)/.book-installed  ## build the book into _build/html (runs every chapter)
+	@echo "==> building the book: every notebook is executed; any error or warning fails the build"
+	$(BIN)/jupyter-book build --all -W --keep-going .
+	@echo "==> done: open _build/html/index.html"
+
+test: lint unit book nbval browser-test  ## everything: ruff, unit tests, book build, nbval, browser check
+	@echo "==> all checks passed"
+
+lint: $(VENV)/.test-installed  ## ruff on the library, tests and notebooks
+	@echo "==> ruff check"
+	$(BIN)/ruff check .
+
+unit: $(VENV)/.test-installed  ## the library's unit tests (seqlib against PyTorch)
+	@echo "==> unit tests"
+	$(BIN)/python -m pytest tests --ignore=tests/browser
+
+nbval: $(VENV)/.test-installed  ## re-run every chapter and compare with its stored outputs
+	@echo "==> nbval: re-running the chapters against their stored outputs"
+	$(BIN)/python -m pytest --nbval chapters --nbval-sanitize-with $(SANITIZE) -p no:randomly
+
+browser-test: $(VENV)/.test-installed  ## open the built site in headless Chromium (needs `make book` first)
+	@echo "==> browser check of _build/html in headless Chromium"
+	@sh tools/ensure-chromium.sh
+	$(BIN)/python -m pytest tests/browser
+
+lab: $(VENV)/.book-installed  ## open the chapters in JupyterLab
+	$(BIN)/jupyter lab chapters/
+
+clean:  ## remove the built book and caches (keeps .venv)
+	rm -rf _build book/vendor .pytest_cache .hypothesis .ruff_cache
