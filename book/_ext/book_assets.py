@@ -35,36 +35,41 @@ ADAPTER = "widgets-offline.js"
 REQUIRE_JS = "require-2.3.8.js"
 EMBED_JS = "embed-amd-1.0.15.js"
 
-# npm package -> {pattern of files in its tarball: where they go under _static/}
+FONT_KINDS = ("woff2", "woff", "ttf", "eot", "svg")
+FONT_FOLDERS = ("@jupyter-widgets/", "@jupyter-widgets/html-manager/dist/")
+
+# npm package -> {pattern of files in its tarball: where they go under _static/
+# (a name ending in "/" is a folder that keeps the file's own name)}
 VENDORED = {
-    "requirejs@2.3.8": {"package/require.js": REQUIRE_JS},
+    "requirejs@2.3.8": {"package/require.js": (REQUIRE_JS,)},
     "@jupyter-widgets/html-manager@1.0.15": {
-        "package/dist/embed-amd.js": EMBED_JS,
-        # icon fonts, which the manager looks for beside its module id, @jupyter-widgets/html-manager
-        "package/dist/*.woff2": "@jupyter-widgets/",
-        "package/dist/*.woff": "@jupyter-widgets/",
-        "package/dist/*.ttf": "@jupyter-widgets/",
-        "package/dist/*.eot": "@jupyter-widgets/",
-        "package/dist/*.svg": "@jupyter-widgets/",
+        "package/dist/embed-amd.js": (EMBED_JS,),
+        # Icon fonts. The bundle holds two webpack modules that each look for them beside
+        # their own module id (@jupyter-widgets/html-manager and .../dist/libembed-amd),
+        # and which one asks first varies from load to load, so they go in both places.
+        **{f"package/dist/*.{kind}": FONT_FOLDERS for kind in FONT_KINDS},
     },
 }
 
 
-def _extract(tarball: Path, patterns: dict[str, str], into: Path) -> None:
+def _extract(tarball: Path, patterns: dict[str, tuple[str, ...]], into: Path) -> None:
     with tarfile.open(tarball) as archive:
         for member in archive.getmembers():
-            for pattern, destination in patterns.items():
-                if member.isfile() and fnmatch.fnmatch(member.name, pattern):
+            for pattern, destinations in patterns.items():
+                if not (member.isfile() and fnmatch.fnmatch(member.name, pattern)):
+                    continue
+                content = archive.extractfile(member).read()
+                for destination in destinations:
                     name = Path(member.name).name if destination.endswith("/") else ""
                     target = into / destination / name
                     target.parent.mkdir(parents=True, exist_ok=True)
-                    target.write_bytes(archive.extractfile(member).read())
+                    target.write_bytes(content)
 
 
 def vendor_widget_scripts() -> bool:
     """Fill book/vendor with the pinned files; return False if they cannot be had."""
     stamp = VENDOR_DIR / ".fetched"
-    wanted = "\n".join(VENDORED)
+    wanted = repr(VENDORED)  # any change to the list fetches afresh
     if stamp.exists() and stamp.read_text() == wanted:
         return True
     if shutil.which("npm") is None:
