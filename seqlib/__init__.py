@@ -9,9 +9,11 @@ from seqlib._blas import route_mlx_blas as _route_mlx_blas
 
 _route_mlx_blas()  # must run before anything below imports mlx.core
 
-from seqlib import functional, kernels, nn  # noqa: E402
+from seqlib import functional, interop, kernels, nn, optim, sparse  # noqa: E402
 from seqlib._blas import BlasRoutingWarning, BlasStatus  # noqa: E402
-from seqlib.nn import Embedding  # noqa: E402
+from seqlib.interop import from_torch  # noqa: E402
+from seqlib.nn import Embedding, EmbeddingBag  # noqa: E402
+from seqlib.sparse import SparseGradient  # noqa: E402
 
 __version__ = "0.1.0"
 
@@ -27,9 +29,15 @@ __all__ = [
     "BlasRoutingWarning",
     "BlasStatus",
     "Embedding",
+    "EmbeddingBag",
+    "SparseGradient",
     "__version__",
     "blas_status",
+    "from_torch",
     "functional",
+    "interop",
     "kernels",
     "nn",
+    "optim",
+    "sparse",
 ]

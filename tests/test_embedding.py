@@ -7,13 +7,11 @@ import pytest
 import torch
 from hypothesis import given
 from hypothesis import strategies as st
+from torch_reference import loss_weights
 
 import seqlib
+
 from seqlib import functional as F
-
-
-def to_torch(array: mx.array) -> torch.Tensor:
-    return torch.from_numpy(np.array(array))
 
 
 @st.composite
@@ -28,24 +26,21 @@ def lookups(draw):
     max_norm = draw(st.none() | st.floats(0.1, 3.0))
     norm_type = draw(st.sampled_from([1.0, 2.0, 3.0, float("inf")]))
     index_dtype = draw(st.sampled_from([mx.int32, mx.int64, mx.uint32]))
+    scale_grad_by_freq = draw(st.booleans())
     weight = rng.standard_normal((num_embeddings, embedding_dim)).astype(np.float32)
-    return weight, indices, padding_idx, max_norm, norm_type, index_dtype
-
-
-def loss_weights(shape):
-    """Fixed, distinct weights for a scalar loss, so every output element matters."""
-    return np.linspace(-1.0, 2.0, num=int(np.prod(shape))).reshape(shape).astype(np.float32)
+    return weight, indices, padding_idx, max_norm, norm_type, index_dtype, scale_grad_by_freq
 
 
 @given(lookups())
 def test_module_matches_torch_output_gradient_and_renormalised_weight(case):
-    weight, indices, padding_idx, max_norm, norm_type, index_dtype = case
+    weight, indices, padding_idx, max_norm, norm_type, index_dtype, scale_grad_by_freq = case
     ours = seqlib.nn.Embedding.from_pretrained(
-        mx.array(weight), freeze=False, padding_idx=padding_idx, max_norm=max_norm, norm_type=norm_type
-    )
+        mx.array(weight), freeze=False, padding_idx=padding_idx, max_norm=max_norm, norm_type=norm_type,
+        scale_grad_by_freq=scale_grad_by_freq,
+    )  # fmt: skip
     theirs = torch.nn.Embedding.from_pretrained(
         torch.from_numpy(weight.copy()), freeze=False, padding_idx=padding_idx,
-        max_norm=max_norm, norm_type=norm_type,
+        max_norm=max_norm, norm_type=norm_type, scale_grad_by_freq=scale_grad_by_freq,
     )  # fmt: skip
     idx = mx.array(indices).astype(index_dtype)
     scale = loss_weights((*indices.shape, weight.shape[1]))
@@ -116,3 +111,30 @@ def test_bad_input_raises_a_clear_error_at_the_call(call, error, words):
         call()
     for word in words:
         assert word in str(raised.value)
+
+
+def test_init_dtype_and_repr():
+    layer = seqlib.nn.Embedding(4, 3, padding_idx=1, max_norm=2.0, scale_grad_by_freq=True, sparse=True,
+                                dtype=mx.bfloat16)  # fmt: skip
+    assert layer.weight.dtype == mx.bfloat16
+    assert repr(layer) == "Embedding(4, 3, padding_idx=1, max_norm=2.0, scale_grad_by_freq=True, sparse=True)"
+    with pytest.raises(TypeError, match="dtype"):
+        seqlib.nn.Embedding(4, 3, dtype=mx.int32)
+
+
+def test_works_with_mlx_optimizers_and_save_load_weights(tmp_path):
+    import mlx.optimizers as optim
+
+    layer = seqlib.nn.Embedding(6, 2, padding_idx=0)
+    optimizer = optim.Adam(learning_rate=0.1)
+    ids = mx.array([0, 1, 1, 4])
+    before = np.array(layer.weight)
+    for _ in range(3):
+        _, grads = mlx.nn.value_and_grad(layer, lambda m: (m(ids) ** 2).sum())(layer)
+        optimizer.update(layer, grads)
+    after = np.array(layer.weight)
+    assert np.all(after[0] == 0) and np.array_equal(after[2], before[2])
+    assert not np.allclose(after[1], before[1])
+    layer.save_weights(str(tmp_path / "table.safetensors"))
+    restored = seqlib.nn.Embedding(6, 2).load_weights(str(tmp_path / "table.safetensors"))
+    assert np.array_equal(np.array(restored.weight), after)

@@ -1,4 +1,4 @@
-"""``seqlib.nn.Embedding``: torch.nn.Embedding as an ``mlx.nn.Module``."""
+"""``Embedding`` and ``EmbeddingBag``: torch.nn's lookup tables as ``mlx.nn`` modules."""
 
 from __future__ import annotations
 
@@ -6,18 +6,80 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from seqlib import functional as F
+from seqlib import sparse
 from seqlib._checks import check_max_norm, check_weight, normalize_padding_idx
+from seqlib.interop import TorchStateDictMixin, register_from_torch, to_mlx_array
+
+_TORCH_DTYPES = {"torch.float32": mx.float32, "torch.float16": mx.float16, "torch.bfloat16": mx.bfloat16}
 
 
-class Embedding(nn.Module):
+class _Table(TorchStateDictMixin, nn.Module):
+    """What Embedding and EmbeddingBag share: the (V, D) ``weight`` and its options."""
+
+    def __init__(self, num_embeddings, embedding_dim, padding_idx, max_norm, norm_type, scale_grad_by_freq,
+                 sparse, dtype):  # fmt: skip
+        super().__init__()
+        for name, value in (("num_embeddings", num_embeddings), ("embedding_dim", embedding_dim)):
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"{name}: expected a positive int, got {value!r}")
+        if not mx.issubdtype(dtype, mx.floating):
+            raise TypeError(f"dtype: expected a floating dtype, got {dtype}")
+        check_max_norm(max_norm, norm_type)
+        self.num_embeddings = num_embeddings
+        self.embedding_dim = embedding_dim
+        self.padding_idx = normalize_padding_idx(padding_idx, num_embeddings)
+        self.max_norm = max_norm
+        self.norm_type = norm_type
+        self.scale_grad_by_freq = scale_grad_by_freq
+        self.sparse = sparse
+        self._sparse_state = None  # set only inside seqlib.sparse.value_and_grad
+        weight = mx.random.normal((num_embeddings, embedding_dim)).astype(dtype)  # N(0, 1), like torch
+        if self.padding_idx is not None:
+            weight[self.padding_idx] = 0
+        self.weight = weight
+
+    @classmethod
+    def _wrap(cls, embeddings: mx.array, freeze: bool, **options):
+        check_weight(embeddings, "embeddings")
+        num_embeddings, embedding_dim = embeddings.shape
+        module = cls(num_embeddings, embedding_dim, dtype=embeddings.dtype, **options)
+        module.weight = embeddings  # kept as given: torch leaves the padding row alone here too
+        if freeze:
+            module.freeze()
+        return module
+
+    def _table_for(self, input: mx.array):
+        """``(table, input, padding_idx)`` to look up from, renormalising first if asked."""
+        table, input, padding_idx = sparse.lookup_table(self, input)
+        if self.max_norm is not None and table is self.weight:
+            self.weight = table = F.renorm_for_lookup(self.weight, input, self.max_norm, self.norm_type)
+        return table, input, padding_idx
+
+    def _extra_repr(self) -> str:
+        text = f"{self.num_embeddings}, {self.embedding_dim}"
+        for name in ("padding_idx", "max_norm"):
+            if getattr(self, name) is not None:
+                text += f", {name}={getattr(self, name)}"
+        if self.norm_type != 2.0:
+            text += f", norm_type={self.norm_type}"
+        for name in ("scale_grad_by_freq", "sparse"):
+            if getattr(self, name):
+                text += f", {name}=True"
+        return text
+
+
+class Embedding(_Table):
     """A lookup table from integer ids to rows of a learned ``weight`` (V, D).
 
     The single parameter is ``weight``, initialised N(0, 1) like torch's, with the
-    ``padding_idx`` row (if any) set to zero.  With ``max_norm`` set, each call
-    renormalises the rows it looks up and *replaces* ``self.weight`` with the
-    result, so that afterwards ``self.weight`` equals what torch's in-place
-    renormalisation leaves.  Under ``mx.compile`` that replacement is a side
-    effect the compiled function does not capture: renormalise outside it.
+    ``padding_idx`` row (if any) set to zero; that row never receives a gradient.
+    With ``max_norm`` set, each call renormalises the rows it looks up and
+    *replaces* ``self.weight`` with the result, so that afterwards ``self.weight``
+    equals what torch's in-place renormalisation leaves.  Under ``mx.compile`` that
+    replacement is a side effect the compiled function does not capture:
+    renormalise outside it.  With ``sparse=True``,
+    :func:`seqlib.sparse.value_and_grad` gives the weight's gradient as a
+    :class:`~seqlib.sparse.SparseGradient` of the looked-up rows only.
     """
 
     def __init__(
@@ -27,24 +89,12 @@ class Embedding(nn.Module):
         padding_idx: int | None = None,
         max_norm: float | None = None,
         norm_type: float = 2.0,
+        scale_grad_by_freq: bool = False,
+        sparse: bool = False,
         dtype: mx.Dtype = mx.float32,
     ):
-        super().__init__()
-        if num_embeddings < 1 or embedding_dim < 1:
-            raise ValueError(
-                "num_embeddings and embedding_dim: expected positive ints, "
-                f"got {num_embeddings} and {embedding_dim}"
-            )
-        check_max_norm(max_norm, norm_type)
-        self.num_embeddings = num_embeddings
-        self.embedding_dim = embedding_dim
-        self.padding_idx = normalize_padding_idx(padding_idx, num_embeddings)
-        self.max_norm = max_norm
-        self.norm_type = norm_type
-        weight = mx.random.normal((num_embeddings, embedding_dim)).astype(dtype)
-        if self.padding_idx is not None:
-            weight[self.padding_idx] = 0
-        self.weight = weight
+        super().__init__(num_embeddings, embedding_dim, padding_idx, max_norm, norm_type, scale_grad_by_freq,
+                         sparse, dtype)  # fmt: skip
 
     @classmethod
     def from_pretrained(
@@ -54,25 +104,94 @@ class Embedding(nn.Module):
         padding_idx: int | None = None,
         max_norm: float | None = None,
         norm_type: float = 2.0,
+        scale_grad_by_freq: bool = False,
+        sparse: bool = False,
     ) -> Embedding:
         """An Embedding whose weight is ``embeddings`` (V, D), frozen unless ``freeze=False``."""
-        check_weight(embeddings, "embeddings")
-        num_embeddings, embedding_dim = embeddings.shape
-        module = cls(num_embeddings, embedding_dim, padding_idx, max_norm, norm_type, embeddings.dtype)
-        module.weight = embeddings  # kept as given: torch leaves the padding row alone here too
-        if freeze:
-            module.freeze()
-        return module
-
-    def _extra_repr(self) -> str:
-        text = f"{self.num_embeddings}, {self.embedding_dim}"
-        if self.padding_idx is not None:
-            text += f", padding_idx={self.padding_idx}"
-        if self.max_norm is not None:
-            text += f", max_norm={self.max_norm}"
-        return text
+        return cls._wrap(embeddings, freeze, padding_idx=padding_idx, max_norm=max_norm, norm_type=norm_type,
+                         scale_grad_by_freq=scale_grad_by_freq, sparse=sparse)  # fmt: skip
 
     def __call__(self, input: mx.array) -> mx.array:
-        if self.max_norm is not None:
-            self.weight = F.renorm_for_lookup(self.weight, input, self.max_norm, self.norm_type)
-        return F.embedding(input, self.weight, self.padding_idx)
+        table, input, padding_idx = self._table_for(input)
+        return F.embedding(input, table, padding_idx, None, self.norm_type, self.scale_grad_by_freq, self.sparse)
+
+
+class EmbeddingBag(_Table):
+    """Sums, means or maxima of bags of embedding rows, without the (N, D) lookup in between.
+
+    Call as ``bag(input, offsets=None, per_sample_weights=None)``; see
+    :func:`seqlib.functional.embedding_bag` for the forms of ``input``.  Options,
+    parameter and ``from_pretrained`` as in :class:`Embedding`, plus ``mode``
+    (``"sum"``, ``"mean"`` or ``"max"``) and ``include_last_offset``.
+    """
+
+    def __init__(
+        self,
+        num_embeddings: int,
+        embedding_dim: int,
+        max_norm: float | None = None,
+        norm_type: float = 2.0,
+        scale_grad_by_freq: bool = False,
+        mode: str = "mean",
+        sparse: bool = False,
+        include_last_offset: bool = False,
+        padding_idx: int | None = None,
+        dtype: mx.Dtype = mx.float32,
+    ):
+        F._check_mode(mode, sparse, scale_grad_by_freq)
+        super().__init__(num_embeddings, embedding_dim, padding_idx, max_norm, norm_type, scale_grad_by_freq,
+                         sparse, dtype)  # fmt: skip
+        self.mode = mode
+        self.include_last_offset = include_last_offset
+
+    @classmethod
+    def from_pretrained(
+        cls,
+        embeddings: mx.array,
+        freeze: bool = True,
+        max_norm: float | None = None,
+        norm_type: float = 2.0,
+        scale_grad_by_freq: bool = False,
+        mode: str = "mean",
+        sparse: bool = False,
+        include_last_offset: bool = False,
+        padding_idx: int | None = None,
+    ) -> EmbeddingBag:
+        """An EmbeddingBag whose weight is ``embeddings`` (V, D), frozen unless ``freeze=False``."""
+        return cls._wrap(embeddings, freeze, max_norm=max_norm, norm_type=norm_type,
+                         scale_grad_by_freq=scale_grad_by_freq, mode=mode, sparse=sparse,
+                         include_last_offset=include_last_offset, padding_idx=padding_idx)  # fmt: skip
+
+    def _extra_repr(self) -> str:
+        text = super()._extra_repr() + f", mode={self.mode!r}"
+        return text + (", include_last_offset=True" if self.include_last_offset else "")
+
+    def __call__(self, input: mx.array, offsets: mx.array | None = None,
+                 per_sample_weights: mx.array | None = None) -> mx.array:  # fmt: skip
+        table, input, padding_idx = self._table_for(input)
+        return F.embedding_bag(
+            input, table, offsets, None, self.norm_type, self.scale_grad_by_freq, self.mode, self.sparse,
+            per_sample_weights, self.include_last_offset, padding_idx,
+        )  # fmt: skip
+
+
+def _torch_weight(module) -> mx.array:
+    return to_mlx_array(module.weight, _TORCH_DTYPES.get(str(module.weight.dtype), mx.float32))
+
+
+@register_from_torch("Embedding")
+def _embedding_from_torch(module) -> Embedding:
+    return Embedding.from_pretrained(
+        _torch_weight(module), freeze=not module.weight.requires_grad, padding_idx=module.padding_idx,
+        max_norm=module.max_norm, norm_type=module.norm_type, scale_grad_by_freq=module.scale_grad_by_freq,
+        sparse=module.sparse,
+    )  # fmt: skip
+
+
+@register_from_torch("EmbeddingBag")
+def _embedding_bag_from_torch(module) -> EmbeddingBag:
+    return EmbeddingBag.from_pretrained(
+        _torch_weight(module), freeze=not module.weight.requires_grad, max_norm=module.max_norm,
+        norm_type=module.norm_type, scale_grad_by_freq=module.scale_grad_by_freq, mode=module.mode,
+        sparse=module.sparse, include_last_offset=module.include_last_offset, padding_idx=module.padding_idx,
+    )  # fmt: skip

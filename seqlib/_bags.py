@@ -1,0 +1,107 @@
+"""How the indices of an EmbeddingBag call fall into bags, worked out once in NumPy.
+
+``embedding_bag`` takes its bags either as a 2-D ``(B, N)`` input (B bags of N
+indices each) or as a flat 1-D input plus ``offsets`` (the CSR form: bag ``b``
+holds ``input[offsets[b]:offsets[b + 1]]``).  :func:`bag_layout` checks both
+forms and turns them into *buckets*: groups of bags with the same number of
+entries that count (padding left out).  Each bucket then needs one gather of
+shape ``(bags, entries, D)`` and one reduction over its middle axis, so a
+batch of ragged bags costs a handful of array operations, none wasted on
+padding to the longest bag.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import mlx.core as mx
+import numpy as np
+
+from seqlib._checks import as_index_array
+
+
+@dataclass(frozen=True)
+class Bucket:
+    bags: np.ndarray  # (n,) which bags are in this bucket
+    positions: np.ndarray  # (n, length) positions into the flat input of each bag's entries
+
+
+@dataclass(frozen=True)
+class BagLayout:
+    indices: mx.array  # (N,) the flat indices
+    num_bags: int
+    buckets: list[Bucket]  # every bag with at least one counted entry, grouped by entry count
+    counts: np.ndarray  # (B,) entries counted per bag (padding excluded)
+
+
+def _offsets_array(offsets, input_size: int, include_last_offset: bool) -> np.ndarray:
+    offsets = np.asarray(as_index_array(offsets, "offsets")).astype(np.int64)
+    if offsets.ndim != 1:
+        raise ValueError(f"offsets: expected a 1-D array, got shape {offsets.shape}")
+    if offsets.size == 0:
+        raise ValueError("offsets: expected at least one element, got an empty array")
+    if offsets[0] != 0:
+        raise ValueError(f"offsets: the first bag must start at 0, got offsets[0] = {offsets[0]}")
+    steps = np.diff(offsets)
+    if np.any(steps < 0):
+        where = int(np.argmax(steps < 0))
+        raise ValueError(
+            f"offsets: must be non-decreasing, got offsets[{where}] = {offsets[where]} "
+            f"> offsets[{where + 1}] = {offsets[where + 1]}"
+        )
+    if offsets[-1] > input_size:
+        raise ValueError(
+            f"offsets: may not point past the end of input (length {input_size}), got offsets[-1] = {offsets[-1]}"
+        )
+    return offsets
+
+
+def flatten_bags(input, offsets, per_sample_weights, include_last_offset: bool):
+    """torch's two input forms -> (flat indices (N,), offsets, flat weights or None, include_last_offset).
+
+    A 2-D input's rows are its bags, so ``include_last_offset`` does not apply to it (as in torch).
+    """
+    indices = as_index_array(input, "input")
+    if indices.ndim == 2:
+        if offsets is not None:
+            raise ValueError(
+                f"offsets: must be None when input is 2-D (each row is one bag), got {type(offsets).__name__}"
+            )
+        num_bags, bag_size = indices.shape
+        offsets = mx.arange(0, num_bags * bag_size, max(bag_size, 1)) if bag_size else mx.zeros(num_bags, mx.int32)
+        if per_sample_weights is not None and tuple(per_sample_weights.shape) == tuple(indices.shape):
+            per_sample_weights = per_sample_weights.reshape(-1)
+        indices = indices.reshape(-1)
+        include_last_offset = False
+    elif indices.ndim == 1:
+        if offsets is None:
+            raise ValueError("offsets: required when input is 1-D (it says where each bag starts), got None")
+    else:
+        raise ValueError(f"input: expected a 1-D (with offsets) or 2-D array, got shape {tuple(indices.shape)}")
+    return indices, offsets, per_sample_weights, include_last_offset
+
+
+def bag_layout(indices: mx.array, offsets, include_last_offset: bool, padding_idx: int | None) -> BagLayout:
+    """Check ``offsets`` against the flat ``indices`` and group the bags into buckets."""
+    total = indices.size
+    offsets = _offsets_array(offsets, total, include_last_offset)
+    starts = offsets[:-1] if include_last_offset else offsets
+    ends = offsets[1:] if include_last_offset else np.append(offsets[1:], total)
+    num_bags = starts.size
+
+    bag_of_entry = np.full(total, -1, dtype=np.int64)  # -1: in no bag (past the last offset)
+    covered = int(ends[-1]) if num_bags else 0
+    bag_of_entry[:covered] = np.repeat(np.arange(num_bags), ends - starts)
+    counted = bag_of_entry >= 0
+    if padding_idx is not None:
+        counted &= np.asarray(indices) != padding_idx
+    counted_positions = np.flatnonzero(counted)
+    counts = np.bincount(bag_of_entry[counted_positions], minlength=num_bags)
+    first = np.cumsum(counts) - counts  # where each bag's counted entries start in counted_positions
+
+    buckets = []
+    for length in np.unique(counts[counts > 0]):
+        bags = np.flatnonzero(counts == length)
+        positions = counted_positions[first[bags][:, None] + np.arange(length)]
+        buckets.append(Bucket(bags, positions))
+    return BagLayout(indices, num_bags, buckets, counts)
