@@ -3,11 +3,13 @@
 ``embedding_bag`` takes its bags either as a 2-D ``(B, N)`` input (B bags of N
 indices each) or as a flat 1-D input plus ``offsets`` (the CSR form: bag ``b``
 holds ``input[offsets[b]:offsets[b + 1]]``).  :func:`bag_layout` checks both
-forms and turns them into *buckets*: groups of bags with the same number of
-entries that count (padding left out).  Each bucket then needs one gather of
-shape ``(bags, entries, D)`` and one reduction over its middle axis, so a
-batch of ragged bags costs a handful of array operations, none wasted on
-padding to the longest bag.
+forms and sorts the bags into *buckets*: groups of bags with the same number of
+entries that count (padding left out).  Listing the entries bucket by bucket
+(``entry_order``) lets ``embedding_bag`` gather every row it needs with one
+``take``, split the result into one ``(bags, length, D)`` block per bucket and
+reduce each block over its middle axis: a handful of array operations, none
+wasted on padding to the longest bag, and a backward pass that scatters into
+the table once.
 """
 
 from __future__ import annotations
@@ -21,17 +23,11 @@ from seqlib._checks import as_index_array
 
 
 @dataclass(frozen=True)
-class Bucket:
-    bags: np.ndarray  # (n,) which bags are in this bucket
-    positions: np.ndarray  # (n, length) positions into the flat input of each bag's entries
-
-
-@dataclass(frozen=True)
 class BagLayout:
-    indices: mx.array  # (N,) the flat indices
     num_bags: int
-    buckets: list[Bucket]  # every bag with at least one counted entry, grouped by entry count
-    counts: np.ndarray  # (B,) entries counted per bag (padding excluded)
+    entry_order: np.ndarray  # (N',) positions into the flat input: bucket by bucket, bag by bag
+    bucket_shapes: list[tuple[int, int]]  # (bags, entries per bag) of each bucket, in that order
+    bag_order: np.ndarray  # (B,) the bags in the order they come out: bucket by bucket, then empty bags
 
 
 def _offsets_array(offsets, input_size: int, include_last_offset: bool) -> np.ndarray:
@@ -99,9 +95,12 @@ def bag_layout(indices: mx.array, offsets, include_last_offset: bool, padding_id
     counts = np.bincount(bag_of_entry[counted_positions], minlength=num_bags)
     first = np.cumsum(counts) - counts  # where each bag's counted entries start in counted_positions
 
-    buckets = []
+    bags_in_order, positions, shapes = [], [], []
     for length in np.unique(counts[counts > 0]):
         bags = np.flatnonzero(counts == length)
-        positions = counted_positions[first[bags][:, None] + np.arange(length)]
-        buckets.append(Bucket(bags, positions))
-    return BagLayout(indices, num_bags, buckets, counts)
+        positions.append(counted_positions[first[bags][:, None] + np.arange(length)].reshape(-1))
+        bags_in_order.append(bags)
+        shapes.append((bags.size, int(length)))
+    bags_in_order.append(np.flatnonzero(counts == 0))
+    entry_order = np.concatenate(positions) if positions else np.zeros(0, np.int64)
+    return BagLayout(num_bags, entry_order, shapes, np.concatenate(bags_in_order))

@@ -167,14 +167,71 @@ def _check_per_sample_weights(per_sample_weights, indices: mx.array, mode: str, 
 def _reduce_bucket(rows: mx.array, weights: mx.array | None, mode: str) -> mx.array:
     """Reduce (n, length, D) rows of n equally long bags to (n, D)."""
     if mode == "max":
-        # take_along_axis of the arg-max (its first occurrence, like torch) sends the
-        # gradient to that one entry only.
-        winner = mx.stop_gradient(mx.argmax(rows, axis=1, keepdims=True))  # (n, 1, D)
-        return mx.take_along_axis(rows, winner, axis=1).squeeze(1)
+        return mx.max(rows, axis=1)  # its gradient goes to the arg-max entry: see _max_entries_gradient
     if weights is not None:
         rows = rows * weights[..., None]
     total = mx.sum(rows, axis=1)
     return total / rows.shape[1] if mode == "mean" else total
+
+
+def _pool_buckets(rows: mx.array, entry_weights: mx.array | None, shapes: list[tuple[int, int]], mode: str):
+    """Pool (N', D) rows listed bucket by bucket into one (bags, D) row per non-empty bag.
+
+    The forward splits the rows into one (bags, length, D) block per bucket and
+    reduces each.  The backward is written out by hand: autodiff through
+    ``mx.split`` would build a full (N', D) gradient for every block (0.9 s for 40
+    buckets at N'=85k, D=128), whereas every entry's gradient is simply its bag's
+    output gradient, times its weight (``sum``) or divided by the bag size (``mean``),
+    or sent to the arg-max entry alone (``max``).
+    """
+    num_rows, embedding_dim = rows.shape
+    boundaries = np.cumsum([bags * length for bags, length in shapes])[:-1].tolist()
+    lengths = np.concatenate([np.full(bags, length) for bags, length in shapes])  # per pooled bag
+    weighted = entry_weights is not None
+    entry_weights = entry_weights if weighted else mx.ones((num_rows,), rows.dtype)
+
+    def blocks(array: mx.array) -> list[mx.array]:
+        return mx.split(array, boundaries) if boundaries else [array]
+
+    @mx.custom_function
+    def pool(rows, entry_weights):
+        pooled = []
+        for row_block, weight_block, (bags, length) in zip(blocks(rows), blocks(entry_weights), shapes, strict=True):
+            block_weights = weight_block.reshape(bags, length) if weighted else None
+            pooled.append(_reduce_bucket(row_block.reshape(bags, length, embedding_dim), block_weights, mode))
+        return mx.concatenate(pooled, axis=0)
+
+    @pool.vjp
+    def pool_vjp(primals, cotangent, output):
+        rows, entry_weights = primals
+        if mode == "max":
+            return _max_entries_gradient(rows, cotangent, blocks(rows), shapes), mx.zeros_like(entry_weights)
+        bag_of_entry = mx.array(np.repeat(np.arange(lengths.size), lengths).astype(np.int32))
+        spread = mx.take(cotangent, bag_of_entry, axis=0)  # (N', D): each entry gets its bag's gradient
+        no_weight_grad = mx.zeros_like(entry_weights)
+        if mode == "mean":
+            bag_size = mx.array(np.repeat(lengths, lengths).astype(np.float32))[:, None]
+            return spread / bag_size, no_weight_grad
+        if not weighted:
+            return spread, no_weight_grad
+        return spread * entry_weights[:, None], mx.sum(spread * rows, axis=1)
+
+    return pool(rows, entry_weights)
+
+
+def _max_entries_gradient(rows, cotangent, row_blocks, shapes) -> mx.array:
+    """Scatter each bag's output gradient onto the entry that won its max (first one, as torch)."""
+    num_rows, embedding_dim = rows.shape
+    columns = mx.arange(embedding_dim)
+    targets, first_entry = [], 0
+    for block, (bags, length) in zip(row_blocks, shapes, strict=True):
+        winner = mx.argmax(block.reshape(bags, length, embedding_dim), axis=1)  # (bags, D)
+        entry = first_entry + mx.arange(bags)[:, None] * length + winner
+        targets.append((entry * embedding_dim + columns).reshape(-1))
+        first_entry += bags * length
+    flat = mx.zeros((num_rows * embedding_dim,), cotangent.dtype).at[mx.concatenate(targets)].add(
+        cotangent.reshape(-1))  # fmt: skip
+    return flat.reshape(num_rows, embedding_dim)
 
 
 def embedding_bag(
@@ -215,21 +272,18 @@ def embedding_bag(
         weight = renorm_for_lookup(weight, indices, max_norm, norm_type)
     grad_scale = _inverse_frequency(indices)[:, None] if scale_grad_by_freq else None
 
-    pooled, order = [], []
-    for bucket in layout.buckets:
-        positions = mx.array(bucket.positions.astype(np.int32))  # (n, length)
-        rows = mx.take(weight, indices[positions], axis=0)  # (n, length, D)
-        if grad_scale is not None:
-            rows = _scale_gradient(rows, grad_scale[positions])
-        bucket_weights = flat_weights[positions] if flat_weights is not None else None
-        pooled.append(_reduce_bucket(rows, bucket_weights, mode))
-        order.append(bucket.bags)
-    empty_bags = np.flatnonzero(layout.counts == 0)
-    if empty_bags.size:
-        pooled.append(mx.zeros((empty_bags.size, embedding_dim), dtype=weight.dtype))
-        order.append(empty_bags)
+    entries = mx.array(layout.entry_order.astype(np.int32))  # (N',) counted entries, bucket by bucket
+    rows = mx.take(weight, indices[entries], axis=0)  # (N', D): the only read of the table
+    if grad_scale is not None:
+        rows = _scale_gradient(rows, grad_scale[entries])
+    entry_weights = flat_weights[entries].astype(rows.dtype) if flat_weights is not None else None
+
+    pooled = [_pool_buckets(rows, entry_weights, layout.bucket_shapes, mode)] if layout.bucket_shapes else []
+    empty_bags = layout.num_bags - sum(bags for bags, _ in layout.bucket_shapes)
+    if empty_bags:
+        pooled.append(mx.zeros((empty_bags, embedding_dim), dtype=weight.dtype))
     if not pooled:
         return mx.zeros((0, embedding_dim), dtype=weight.dtype)
-    # Buckets come out grouped by length; put the bags back in their own order.
-    where_each_bag_is = np.argsort(np.concatenate(order)).astype(np.int32)
-    return mx.take(mx.concatenate(pooled, axis=0), mx.array(where_each_bag_is), axis=0).astype(weight.dtype)
+    # The buckets come out grouped by length; put the bags back in their own order.
+    where_each_bag_is = mx.array(np.argsort(layout.bag_order).astype(np.int32))
+    return mx.take(mx.concatenate(pooled, axis=0), where_each_bag_is, axis=0).astype(weight.dtype)

@@ -1,0 +1,89 @@
+"""The benchmark harness: ``python -m seqlib.bench SUITE``.
+
+Each *case* is one workload with several implementations (seqlib, plain MLX ops,
+torch when it is installed).  The harness runs them **interleaved** — every
+repeat times each implementation once, in a rotating order — so a noisy
+neighbour on a shared machine slows all of them alike, and reports medians and
+the ratios of each implementation's median to torch's and to plain MLX's.
+Next to each time it prints the napkin math: the bytes a case must move at
+least, and its FLOPs, as achieved GB/s and GFLOP/s.  Every implementation is
+checked against the first one before anything is timed.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import numpy as np
+
+__all__ = ["Case", "run_cases"]
+
+
+@dataclass
+class Case:
+    name: str
+    implementations: dict[str, Callable[[], object]]  # name -> function returning its result (evaluated)
+    bytes_moved: float = 0.0  # a lower bound on the memory traffic, for GB/s
+    flops: float = 0.0
+    check: Callable[[object, object], float] | None = None  # max error of a result against the first's
+    tolerance: float = 1e-4
+    notes: list[str] = field(default_factory=list)
+
+
+def _median_seconds(samples: list[float]) -> float:
+    return float(np.median(samples))
+
+
+def run_cases(cases: list[Case], repeats: int = 15, warmup: int = 2) -> list[dict]:
+    """Validate, then time every case; print a table and return its rows."""
+    rows = []
+    for case in cases:
+        names = list(case.implementations)
+        reference = case.implementations[names[0]]()
+        for name in names[1:]:
+            if case.check is not None:
+                error = case.check(reference, case.implementations[name]())
+                status = "ok" if error <= case.tolerance else "MISMATCH"
+                print(f"  check {case.name} / {name} vs {names[0]}: max error {error:.2e} [{status}]")
+                if error > case.tolerance:
+                    raise AssertionError(f"{case.name}: {name} disagrees with {names[0]} (max error {error:.2e})")
+        del reference
+        samples = {name: [] for name in names}
+        for _ in range(warmup):
+            for name in names:
+                case.implementations[name]()
+        for repeat in range(repeats):
+            order = names[repeat % len(names):] + names[: repeat % len(names)]
+            for name in order:
+                start = time.perf_counter()
+                case.implementations[name]()
+                samples[name].append(time.perf_counter() - start)
+        medians = {name: _median_seconds(times) for name, times in samples.items()}
+        for name in names:
+            rows.append({
+                "case": case.name, "implementation": name, "median_ms": 1e3 * medians[name],
+                "vs_torch": medians[name] / medians["torch"] if "torch" in medians else None,
+                "vs_mlx": medians[name] / medians["mlx ops"] if "mlx ops" in medians else None,
+                "GB/s": case.bytes_moved / medians[name] / 1e9 if case.bytes_moved else None,
+                "GFLOP/s": case.flops / medians[name] / 1e9 if case.flops else None,
+            })  # fmt: skip
+        _print_case(case, rows[-len(names):])
+    return rows
+
+
+def _print_case(case: Case, rows: list[dict]) -> None:
+    def fmt(value, spec):
+        width = spec.lstrip(">").split(".")[0]
+        return format(value, spec) if value is not None else format("-", f">{width}")
+
+    print(f"\n{case.name}")
+    for note in case.notes:
+        print(f"  {note}")
+    print(f"  {'implementation':<26}{'median ms':>11}{'vs torch':>10}{'vs mlx ops':>12}{'GB/s':>8}{'GFLOP/s':>9}")
+    for row in rows:
+        print(
+            f"  {row['implementation']:<26}{row['median_ms']:>11.2f}{fmt(row['vs_torch'], '>10.2f')}"
+            f"{fmt(row['vs_mlx'], '>12.2f')}{fmt(row['GB/s'], '>8.1f')}{fmt(row['GFLOP/s'], '>9.1f')}"
+        )

@@ -1,0 +1,25 @@
+"""``python -m seqlib.bench SUITE [--repeats N]``: time seqlib against torch and plain MLX."""
+
+from __future__ import annotations
+
+import argparse
+
+import seqlib  # noqa: F401  (routes MLX's BLAS before mlx.core is imported)
+
+SUITES = ("embedding",)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(prog="python -m seqlib.bench", description=__doc__)
+    parser.add_argument("suite", choices=SUITES)
+    parser.add_argument("--repeats", type=int, default=15, help="timed runs per implementation (median is reported)")
+    parser.add_argument("--quick", action="store_true", help="smaller sizes, for a smoke test")
+    args = parser.parse_args()
+    if args.suite == "embedding":
+        from seqlib.bench import embedding
+
+        embedding.main(repeats=args.repeats, quick=args.quick)
+
+
+if __name__ == "__main__":
+    main()
