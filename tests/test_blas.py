@@ -85,8 +85,8 @@ def test_torch_speed_is_unchanged_by_the_routing(capsys):
         plain = np.median([run[op] for run in runs["plain"]])
         with capsys.disabled():
             print(f"\n[blas] torch {op}: {routed:.2f} ms with routing, {plain:.2f} ms without")
-        # The bug this guards against made torch's GRU 3x slower; noise here is well under 1.6x.
-        assert routed < 1.6 * plain, f"torch {op} slowed from {plain:.2f} to {routed:.2f} ms"
+        # The bug this guards against made torch's GRU 3x slower; medians here stay well under 2x.
+        assert routed < 2.0 * plain, f"torch {op} slowed from {plain:.2f} to {routed:.2f} ms"
 
 
 @linux_only
