@@ -1,0 +1,142 @@
+"""``RNNCell``, ``LSTMCell`` and ``GRUCell``: one time step, with PyTorch's parameters and calls.
+
+Each cell holds ``weight_ih`` (G*H, D), ``weight_hh`` (G*H, H) and, with
+``bias=True``, ``bias_ih`` and ``bias_hh`` (G*H,), where G is the number of gate
+blocks (1 for RNN, 4 for LSTM in the order i, f, g, o, 3 for GRU in the order
+r, z, n), all initialised U(-1/sqrt(H), 1/sqrt(H)) as in torch.  One matmul per
+side gives every gate's pre-activation at once (the packing trick); the gate
+math is the same as :mod:`seqlib.reference`'s NumPy cells.
+"""
+
+from __future__ import annotations
+
+import math
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from seqlib.interop import TorchStateDictMixin, register_from_torch, to_mlx_array
+
+NONLINEARITIES = ("tanh", "relu")
+
+
+class _Cell(TorchStateDictMixin, nn.Module):
+    gate_blocks = 1
+
+    def __init__(self, input_size: int, hidden_size: int, bias: bool = True):
+        super().__init__()
+        for name, value in (("input_size", input_size), ("hidden_size", hidden_size)):
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"{name}: expected a positive int, got {value!r}")
+        self.input_size, self.hidden_size, self.bias = input_size, hidden_size, bias
+        bound = 1.0 / math.sqrt(hidden_size)
+        rows = self.gate_blocks * hidden_size
+        self.weight_ih = mx.random.uniform(-bound, bound, (rows, input_size))
+        self.weight_hh = mx.random.uniform(-bound, bound, (rows, hidden_size))
+        if bias:
+            self.bias_ih = mx.random.uniform(-bound, bound, (rows,))
+            self.bias_hh = mx.random.uniform(-bound, bound, (rows,))
+
+    def _extra_repr(self) -> str:
+        return f"{self.input_size}, {self.hidden_size}" + ("" if self.bias else ", bias=False")
+
+    def _check_input(self, input: mx.array) -> bool:
+        """Raise unless input is (B, D) or (D,); return whether it is batched."""
+        if not isinstance(input, mx.array):
+            raise TypeError(f"input: expected an mlx.core.array, got {type(input).__name__}")
+        if input.ndim not in (1, 2) or input.shape[-1] != self.input_size:
+            raise ValueError(
+                f"input: expected shape (batch, {self.input_size}) or ({self.input_size},), got {tuple(input.shape)}"
+            )
+        return input.ndim == 2
+
+    def _state(self, state, input: mx.array, batched: bool, name: str) -> mx.array:
+        """The given state checked against the input's shape, or zeros."""
+        shape = (input.shape[0], self.hidden_size) if batched else (self.hidden_size,)
+        if state is None:
+            return mx.zeros(shape, input.dtype)
+        if not isinstance(state, mx.array):
+            raise TypeError(f"{name}: expected an mlx.core.array or None, got {type(state).__name__}")
+        if tuple(state.shape) != shape:
+            raise ValueError(f"{name}: expected shape {shape} to match input {tuple(input.shape)}, "
+                             f"got {tuple(state.shape)}")  # fmt: skip
+        return state
+
+    def _projections(self, input: mx.array, hidden: mx.array) -> tuple[mx.array, mx.array]:
+        """The input side and the hidden side of every gate: two (..., G*H) arrays."""
+        input_side = input @ self.weight_ih.T
+        hidden_side = hidden @ self.weight_hh.T
+        if self.bias:
+            input_side, hidden_side = input_side + self.bias_ih, hidden_side + self.bias_hh
+        return input_side, hidden_side
+
+
+class RNNCell(_Cell):
+    """``h' = tanh(W_ih x + b_ih + W_hh h + b_hh)`` (or ``relu``)."""
+
+    def __init__(self, input_size: int, hidden_size: int, bias: bool = True, nonlinearity: str = "tanh"):
+        if nonlinearity not in NONLINEARITIES:
+            raise ValueError(f"nonlinearity: expected one of {NONLINEARITIES}, got {nonlinearity!r}")
+        super().__init__(input_size, hidden_size, bias)
+        self.nonlinearity = nonlinearity
+
+    def __call__(self, input: mx.array, hx: mx.array | None = None) -> mx.array:
+        batched = self._check_input(input)
+        hidden = self._state(hx, input, batched, "hx")
+        input_side, hidden_side = self._projections(input, hidden)
+        pre_activation = input_side + hidden_side
+        return mx.tanh(pre_activation) if self.nonlinearity == "tanh" else nn.relu(pre_activation)
+
+
+class LSTMCell(_Cell):
+    """``c' = f * c + i * g``, ``h' = o * tanh(c')``; gates i, f, g, o from one packed (4H, D) matmul."""
+
+    gate_blocks = 4
+
+    def __call__(self, input: mx.array, hx: tuple[mx.array, mx.array] | None = None):
+        batched = self._check_input(input)
+        if hx is not None and not (isinstance(hx, (tuple, list)) and len(hx) == 2):
+            raise TypeError(f"hx: expected a tuple (h, c) or None, got {type(hx).__name__}")
+        hidden = self._state(None if hx is None else hx[0], input, batched, "hx[0] (h)")
+        cell = self._state(None if hx is None else hx[1], input, batched, "hx[1] (c)")
+        input_side, hidden_side = self._projections(input, hidden)
+        i, f, g, o = mx.split(input_side + hidden_side, 4, axis=-1)
+        cell = mx.sigmoid(f) * cell + mx.sigmoid(i) * mx.tanh(g)
+        return mx.sigmoid(o) * mx.tanh(cell), cell
+
+
+class GRUCell(_Cell):
+    """``n = tanh(W_in x + b_in + r * (W_hn h + b_hn))``, ``h' = (1 - z) * n + z * h``; gates r, z, n."""
+
+    gate_blocks = 3
+
+    def __call__(self, input: mx.array, hx: mx.array | None = None) -> mx.array:
+        batched = self._check_input(input)
+        hidden = self._state(hx, input, batched, "hx")
+        input_side, hidden_side = self._projections(input, hidden)
+        input_r, input_z, input_n = mx.split(input_side, 3, axis=-1)
+        hidden_r, hidden_z, hidden_n = mx.split(hidden_side, 3, axis=-1)
+        r = mx.sigmoid(input_r + hidden_r)
+        z = mx.sigmoid(input_z + hidden_z)
+        n = mx.tanh(input_n + r * hidden_n)
+        return (1 - z) * n + z * hidden
+
+
+def _cell_from_torch(cls, module, **options):
+    cell = cls(module.input_size, module.hidden_size, module.bias, **options)
+    return cell.load_torch_state_dict({key: to_mlx_array(value) for key, value in module.state_dict().items()})
+
+
+@register_from_torch("RNNCell")
+def _rnn_cell_from_torch(module) -> RNNCell:
+    return _cell_from_torch(RNNCell, module, nonlinearity=module.nonlinearity)
+
+
+@register_from_torch("LSTMCell")
+def _lstm_cell_from_torch(module) -> LSTMCell:
+    return _cell_from_torch(LSTMCell, module)
+
+
+@register_from_torch("GRUCell")
+def _gru_cell_from_torch(module) -> GRUCell:
+    return _cell_from_torch(GRUCell, module)
