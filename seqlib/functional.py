@@ -148,7 +148,7 @@ def _check_mode(mode: str, sparse: bool, scale_grad_by_freq: bool) -> None:
         raise ValueError("scale_grad_by_freq: not supported with mode='max' (as in torch)")
 
 
-def _check_per_sample_weights(per_sample_weights, indices: mx.array, mode: str, dtype) -> None:
+def _check_per_sample_weights(per_sample_weights, indices: mx.array, mode: str) -> None:
     if per_sample_weights is None:
         return
     if mode != "sum":
@@ -265,7 +265,7 @@ def embedding_bag(
     check_index_range(indices, num_embeddings, "input")
     padding_idx = normalize_padding_idx(padding_idx, num_embeddings)
     check_max_norm(max_norm, norm_type)
-    _check_per_sample_weights(flat_weights, indices, mode, weight.dtype)
+    _check_per_sample_weights(flat_weights, indices, mode)
     layout = bag_layout(indices, offsets, include_last_offset, padding_idx)
 
     if max_norm is not None:

@@ -49,11 +49,11 @@ def bag_cases(draw):
     }
 
 
-def run_torch(case, scale_grad_by_freq=False):
+def run_torch(case):
     bag = torch.nn.EmbeddingBag.from_pretrained(
         torch.from_numpy(case["weight"].copy()), freeze=False, max_norm=case["max_norm"],
         norm_type=case["norm_type"], mode=case["mode"], include_last_offset=case["include_last_offset"],
-        padding_idx=case["padding_idx"], scale_grad_by_freq=scale_grad_by_freq,
+        padding_idx=case["padding_idx"],
     )  # fmt: skip
     psw = case["per_sample_weights"]
     psw = torch.from_numpy(psw).requires_grad_() if psw is not None else None
