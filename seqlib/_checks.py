@@ -40,6 +40,13 @@ def check_index_range(indices: mx.array, upper: int, name: str, what: str = "num
         )
 
 
+def check_positive_ints(**values) -> None:
+    """Raise a ValueError naming the first of ``values`` that is not a positive int (bools excluded)."""
+    for name, value in values.items():
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise ValueError(f"{name}: expected a positive int, got {value!r}")
+
+
 def normalize_padding_idx(padding_idx: int | None, num_embeddings: int) -> int | None:
     """Map a negative ``padding_idx`` to its row as torch does, after checking its range."""
     if padding_idx is None:

@@ -15,7 +15,8 @@ import math
 import mlx.core as mx
 import mlx.nn as nn
 
-from seqlib.interop import TorchStateDictMixin, register_from_torch, to_mlx_array
+from seqlib._checks import check_positive_ints
+from seqlib.interop import TorchStateDictMixin, register_from_torch
 
 NONLINEARITIES = ("tanh", "relu")
 
@@ -25,9 +26,7 @@ class _Cell(TorchStateDictMixin, nn.Module):
 
     def __init__(self, input_size: int, hidden_size: int, bias: bool = True):
         super().__init__()
-        for name, value in (("input_size", input_size), ("hidden_size", hidden_size)):
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ValueError(f"{name}: expected a positive int, got {value!r}")
+        check_positive_ints(input_size=input_size, hidden_size=hidden_size)
         self.input_size, self.hidden_size, self.bias = input_size, hidden_size, bias
         bound = 1.0 / math.sqrt(hidden_size)
         rows = self.gate_blocks * hidden_size
@@ -124,7 +123,7 @@ class GRUCell(_Cell):
 
 def _cell_from_torch(cls, module, **options):
     cell = cls(module.input_size, module.hidden_size, module.bias, **options)
-    return cell.load_torch_state_dict({key: to_mlx_array(value) for key, value in module.state_dict().items()})
+    return cell.load_torch_state_dict(module.state_dict())
 
 
 @register_from_torch("RNNCell")

@@ -7,7 +7,7 @@ import mlx.nn as nn
 
 from seqlib import functional as F
 from seqlib import sparse
-from seqlib._checks import check_max_norm, check_weight, normalize_padding_idx
+from seqlib._checks import check_max_norm, check_positive_ints, check_weight, normalize_padding_idx
 from seqlib.interop import TorchStateDictMixin, register_from_torch, to_mlx_array
 
 _TORCH_DTYPES = {"torch.float32": mx.float32, "torch.float16": mx.float16, "torch.bfloat16": mx.bfloat16}
@@ -19,9 +19,7 @@ class _Table(TorchStateDictMixin, nn.Module):
     def __init__(self, num_embeddings, embedding_dim, padding_idx, max_norm, norm_type, scale_grad_by_freq,
                  sparse, dtype):  # fmt: skip
         super().__init__()
-        for name, value in (("num_embeddings", num_embeddings), ("embedding_dim", embedding_dim)):
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ValueError(f"{name}: expected a positive int, got {value!r}")
+        check_positive_ints(num_embeddings=num_embeddings, embedding_dim=embedding_dim)
         if not mx.issubdtype(dtype, mx.floating):
             raise TypeError(f"dtype: expected a floating dtype, got {dtype}")
         check_max_norm(max_norm, norm_type)
