@@ -9,7 +9,7 @@ from seqlib._blas import route_mlx_blas as _route_mlx_blas
 
 _route_mlx_blas()  # must run before anything below imports mlx.core
 
-from seqlib import functional, interop, kernels, nn, optim, reference, sparse  # noqa: E402
+from seqlib import activations, functional, interop, kernels, nn, optim, recurrent, reference, sparse  # noqa: E402
 from seqlib._blas import BlasRoutingWarning, BlasStatus  # noqa: E402
 from seqlib.interop import from_torch  # noqa: E402
 from seqlib.nn import Embedding, EmbeddingBag  # noqa: E402
@@ -32,6 +32,7 @@ __all__ = [
     "EmbeddingBag",
     "SparseGradient",
     "__version__",
+    "activations",
     "blas_status",
     "from_torch",
     "functional",
@@ -39,6 +40,7 @@ __all__ = [
     "kernels",
     "nn",
     "optim",
+    "recurrent",
     "reference",
     "sparse",
 ]

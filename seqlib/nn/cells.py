@@ -5,7 +5,8 @@ Each cell holds ``weight_ih`` (G*H, D), ``weight_hh`` (G*H, H) and, with
 blocks (1 for RNN, 4 for LSTM in the order i, f, g, o, 3 for GRU in the order
 r, z, n), all initialised U(-1/sqrt(H), 1/sqrt(H)) as in torch.  One matmul per
 side gives every gate's pre-activation at once (the packing trick); the gate
-math is the same as :mod:`seqlib.reference`'s NumPy cells.
+math is that of :mod:`seqlib.reference`'s NumPy cells, run by
+:mod:`seqlib.recurrent` as a sequence of one step.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import math
 import mlx.core as mx
 import mlx.nn as nn
 
+from seqlib import recurrent
 from seqlib._checks import check_positive_ints
 from seqlib.interop import TorchStateDictMixin, register_from_torch
 
@@ -61,13 +63,15 @@ class _Cell(TorchStateDictMixin, nn.Module):
                              f"got {tuple(state.shape)}")  # fmt: skip
         return state
 
-    def _projections(self, input: mx.array, hidden: mx.array) -> tuple[mx.array, mx.array]:
-        """The input side and the hidden side of every gate: two (..., G*H) arrays."""
-        input_side = input @ self.weight_ih.T
-        hidden_side = hidden @ self.weight_hh.T
-        if self.bias:
-            input_side, hidden_side = input_side + self.bias_ih, hidden_side + self.bias_hh
-        return input_side, hidden_side
+    def _input_side(self, input: mx.array, fold_hidden_bias: bool) -> mx.array:
+        """``W_ih x + b_ih`` (+ ``b_hh`` where it can be folded in): (B, G*H)."""
+        if not self.bias:
+            return input @ self.weight_ih.T
+        bias = self.bias_ih + self.bias_hh if fold_hidden_bias else self.bias_ih
+        return mx.addmm(bias, input, self.weight_ih.T)
+
+
+# A cell is a sequence of length one: the same step (and hand-written backward) as the layers.
 
 
 class RNNCell(_Cell):
@@ -82,9 +86,11 @@ class RNNCell(_Cell):
     def __call__(self, input: mx.array, hx: mx.array | None = None) -> mx.array:
         batched = self._check_input(input)
         hidden = self._state(hx, input, batched, "hx")
-        input_side, hidden_side = self._projections(input, hidden)
-        pre_activation = input_side + hidden_side
-        return mx.tanh(pre_activation) if self.nonlinearity == "tanh" else nn.relu(pre_activation)
+        if not batched:
+            return self(input[None], hidden[None])[0]
+        x_gates = self._input_side(input, fold_hidden_bias=True)
+        h, _ = recurrent.rnn_sequence(x_gates, self.weight_hh, hidden, [input.shape[0]], False, self.nonlinearity)
+        return h
 
 
 class LSTMCell(_Cell):
@@ -98,10 +104,12 @@ class LSTMCell(_Cell):
             raise TypeError(f"hx: expected a tuple (h, c) or None, got {type(hx).__name__}")
         hidden = self._state(None if hx is None else hx[0], input, batched, "hx[0] (h)")
         cell = self._state(None if hx is None else hx[1], input, batched, "hx[1] (c)")
-        input_side, hidden_side = self._projections(input, hidden)
-        i, f, g, o = mx.split(input_side + hidden_side, 4, axis=-1)
-        cell = mx.sigmoid(f) * cell + mx.sigmoid(i) * mx.tanh(g)
-        return mx.sigmoid(o) * mx.tanh(cell), cell
+        if not batched:
+            h, c = self(input[None], (hidden[None], cell[None]))
+            return h[0], c[0]
+        x_gates = self._input_side(input, fold_hidden_bias=True)
+        h, _, c = recurrent.lstm_sequence(x_gates, self.weight_hh, hidden, cell, [input.shape[0]])
+        return h, c
 
 
 class GRUCell(_Cell):
@@ -112,13 +120,12 @@ class GRUCell(_Cell):
     def __call__(self, input: mx.array, hx: mx.array | None = None) -> mx.array:
         batched = self._check_input(input)
         hidden = self._state(hx, input, batched, "hx")
-        input_side, hidden_side = self._projections(input, hidden)
-        input_r, input_z, input_n = mx.split(input_side, 3, axis=-1)
-        hidden_r, hidden_z, hidden_n = mx.split(hidden_side, 3, axis=-1)
-        r = mx.sigmoid(input_r + hidden_r)
-        z = mx.sigmoid(input_z + hidden_z)
-        n = mx.tanh(input_n + r * hidden_n)
-        return (1 - z) * n + z * hidden
+        if not batched:
+            return self(input[None], hidden[None])[0]
+        x_gates = self._input_side(input, fold_hidden_bias=False)
+        bias_hh = self.bias_hh if self.bias else mx.zeros((self.weight_hh.shape[0],), input.dtype)
+        h, _ = recurrent.gru_sequence(x_gates, self.weight_hh, bias_hh, hidden, [input.shape[0]])
+        return h
 
 
 def _cell_from_torch(cls, module, **options):

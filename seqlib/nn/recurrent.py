@@ -1,0 +1,319 @@
+"""``RNN``, ``LSTM`` and ``GRU`` layers with PyTorch's arguments, shapes and parameter names.
+
+A layer stacks ``num_layers`` recurrences; with ``bidirectional=True`` each
+layer runs once forwards and once backwards over the sequence and concatenates
+the two outputs.  Layer k > 0 reads layer k-1's output, through dropout when
+training.  Parameters are attributes named as in torch's ``state_dict()``::
+
+    weight_ih_l{k}{suffix}  (G*H, input size of layer k)     bias_ih_l{k}{suffix}  (G*H,)
+    weight_hh_l{k}{suffix}  (G*H, P)                         bias_hh_l{k}{suffix}  (G*H,)
+    weight_hr_l{k}{suffix}  (P, H)     (LSTM with proj_size = P > 0 only)
+
+with suffix ``""`` or ``"_reverse"``, G gate blocks (1, 4 or 3) and P = H unless
+projected.  Every direction of every layer is one call of
+:mod:`seqlib.recurrent`: one matmul for the input side of all steps, then the
+step loop with its hand-written backward.
+
+Shapes (torch's): input (T, B, D), or (B, T, D) with ``batch_first``, or
+unbatched (T, D), or a :class:`~seqlib.nn.utils.rnn.PackedSequence`.  Output
+(T, B, num_directions * P); ``h_n`` (num_layers * num_directions, B, P) and,
+for the LSTM, ``c_n`` (num_layers * num_directions, B, H).
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+import warnings
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+
+from seqlib import recurrent
+from seqlib._checks import check_positive_ints
+from seqlib.interop import TorchStateDictMixin, register_from_torch
+from seqlib.nn.utils.rnn import PackedSequence, check_packed_sequence
+
+__all__ = ["GRU", "LSTM", "RNN"]
+
+
+class _RNNBase(TorchStateDictMixin, nn.Module):
+    gate_blocks = 1
+
+    def __init__(
+        self,
+        input_size: int,
+        hidden_size: int,
+        num_layers: int = 1,
+        bias: bool = True,
+        batch_first: bool = False,
+        dropout: float = 0.0,
+        bidirectional: bool = False,
+        proj_size: int = 0,
+    ):
+        super().__init__()
+        check_positive_ints(input_size=input_size, hidden_size=hidden_size, num_layers=num_layers)
+        _check_dropout(dropout, num_layers)
+        if not isinstance(proj_size, int) or isinstance(proj_size, bool) or not 0 <= proj_size < hidden_size:
+            raise ValueError(f"proj_size: expected an int in [0, hidden_size={hidden_size}), got {proj_size!r}")
+        self.input_size, self.hidden_size, self.num_layers = input_size, hidden_size, num_layers
+        self.bias, self.batch_first, self.dropout = bias, bool(batch_first), float(dropout)
+        self.bidirectional, self.proj_size = bool(bidirectional), proj_size
+        self.num_directions = 2 if bidirectional else 1
+        self._init_parameters()
+
+    @property
+    def output_size(self) -> int:
+        """The size of h: hidden_size, or proj_size for a projected LSTM."""
+        return self.proj_size or self.hidden_size
+
+    def _init_parameters(self) -> None:
+        """Create every parameter in torch's order, U(-1/sqrt(H), 1/sqrt(H)) as torch does."""
+        bound = 1.0 / math.sqrt(self.hidden_size)
+        rows = self.gate_blocks * self.hidden_size
+        for layer in range(self.num_layers):
+            layer_input = self.input_size if layer == 0 else self.num_directions * self.output_size
+            for suffix in self._suffixes(layer):
+                shapes = {"weight_ih": (rows, layer_input), "weight_hh": (rows, self.output_size)}
+                if self.bias:
+                    shapes |= {"bias_ih": (rows,), "bias_hh": (rows,)}
+                if self.proj_size:
+                    shapes["weight_hr"] = (self.proj_size, self.hidden_size)
+                for name, shape in shapes.items():
+                    setattr(self, name + suffix, mx.random.uniform(-bound, bound, shape))
+
+    def _suffixes(self, layer: int) -> list[str]:
+        return [f"_l{layer}", f"_l{layer}_reverse"][: self.num_directions]
+
+    def _extra_repr(self) -> str:
+        options = [f"{self.input_size}, {self.hidden_size}"]
+        defaults = {"num_layers": 1, "bias": True, "batch_first": False, "dropout": 0.0,
+                    "bidirectional": False, "proj_size": 0}  # fmt: skip
+        options += [f"{name}={getattr(self, name)}" for name, default in defaults.items()
+                    if getattr(self, name) != default]  # fmt: skip
+        return ", ".join(options)
+
+    # ------------------------------------------------------------ the forward pass
+
+    def __call__(self, input, hx=None):
+        packed = not isinstance(input, mx.array)
+        if packed:
+            input = check_packed_sequence(input)
+            rows, batch_sizes = input.data, [int(b) for b in np.array(input.batch_sizes)]
+            self._check_features(rows, "input.data")
+            batch_size, batched = batch_sizes[0], True
+        else:
+            sequence, batched = self._check_input(input)  # (T, B, D)
+            steps, batch_size = sequence.shape[:2]
+            rows, batch_sizes = sequence.reshape(steps * batch_size, -1), [batch_size] * steps
+        states = self._initial_states(hx, batch_size, batched, rows.dtype)
+        if packed and input.sorted_indices is not None:  # states are given in the caller's batch order
+            states = [state[:, input.sorted_indices] for state in states]
+        rows, final_states = self._run_layers(rows, batch_sizes, states)
+        if packed and input.unsorted_indices is not None:
+            final_states = [state[:, input.unsorted_indices] for state in final_states]
+        if not batched:
+            final_states = [state[:, 0] for state in final_states]
+        final = tuple(final_states) if len(final_states) > 1 else final_states[0]
+        if packed:
+            return PackedSequence(rows, input.batch_sizes, input.sorted_indices, input.unsorted_indices), final
+        output = rows.reshape(len(batch_sizes), batch_size, -1)
+        if not batched:
+            output = output[:, 0]
+        elif self.batch_first:
+            output = output.swapaxes(0, 1)
+        return output, final
+
+    def _run_layers(self, rows, batch_sizes, states):
+        """rows (N, D) packed; states: per kind (h, and c for the LSTM) a (L * dirs, B, .) array."""
+        finals = [[] for _ in states]
+        for layer in range(self.num_layers):
+            if layer > 0 and self.training and self.dropout > 0:
+                rows = _dropout(rows, self.dropout)
+            outputs = []
+            for direction, suffix in enumerate(self._suffixes(layer)):
+                index = layer * self.num_directions + direction
+                output, *last = self._run_direction(
+                    rows, batch_sizes, [state[index] for state in states], suffix, reverse=direction == 1
+                )
+                outputs.append(output)
+                for kind, value in enumerate(last):
+                    finals[kind].append(value)
+            rows = outputs[0] if len(outputs) == 1 else mx.concatenate(outputs, axis=-1)
+        return rows, [mx.stack(values) for values in finals]
+
+    def _input_side(self, rows, suffix: str, fold_hidden_bias: bool) -> mx.array:
+        """``rows @ W_ih.T + b_ih`` (+ ``b_hh`` where it can be folded in) for every step at once."""
+        weight_ih = getattr(self, "weight_ih" + suffix)
+        if not self.bias:
+            return rows @ weight_ih.T
+        bias = getattr(self, "bias_ih" + suffix)
+        if fold_hidden_bias:
+            bias = bias + getattr(self, "bias_hh" + suffix)
+        return mx.addmm(bias, rows, weight_ih.T)
+
+    # ------------------------------------------------------------ argument checks
+
+    def _check_features(self, rows: mx.array, name: str) -> None:
+        if rows.ndim != 2 or rows.shape[-1] != self.input_size:
+            raise ValueError(
+                f"{name}: expected shape (N, input_size={self.input_size}), got {tuple(rows.shape)}"
+            )
+
+    def _check_input(self, input: mx.array) -> tuple[mx.array, bool]:
+        """The input as (T, B, D), and whether it was batched."""
+        if input.ndim not in (2, 3) or input.shape[-1] != self.input_size:
+            layout = "(batch, seq_len, " if self.batch_first else "(seq_len, batch, "
+            raise ValueError(
+                f"input: expected a 3-D {layout}input_size={self.input_size}) array or an unbatched "
+                f"(seq_len, {self.input_size}) one, got shape {tuple(input.shape)}"
+            )
+        batched = input.ndim == 3
+        sequence = input if not batched else (input.swapaxes(0, 1) if self.batch_first else input)
+        if not batched:
+            sequence = sequence[:, None]
+        if sequence.shape[0] == 0 or sequence.shape[1] == 0:
+            raise ValueError(f"input: expected at least one time step and one sequence, got shape {tuple(input.shape)}")
+        return sequence, batched
+
+    def _state_shapes(self, batch_size: int) -> list[tuple[int, ...]]:
+        return [(self.num_layers * self.num_directions, batch_size, self.output_size)]
+
+    def _initial_states(self, hx, batch_size: int, batched: bool, dtype) -> list[mx.array]:
+        shapes = self._state_shapes(batch_size)
+        if hx is None:
+            return [mx.zeros(shape, dtype) for shape in shapes]
+        given = list(hx) if len(shapes) == 2 and isinstance(hx, (tuple, list)) else [hx]
+        if len(shapes) == 2 and (not isinstance(hx, (tuple, list)) or len(given) != 2):
+            raise TypeError(f"hx: expected a tuple (h_0, c_0) or None, got {type(hx).__name__}")
+        names = ["hx[0] (h_0)", "hx[1] (c_0)"] if len(shapes) == 2 else ["hx"]
+        states = []
+        for state, shape, name in zip(given, shapes, names, strict=True):
+            if not isinstance(state, mx.array):
+                raise TypeError(f"{name}: expected an mlx.core.array, got {type(state).__name__}")
+            expected = shape if batched else (shape[0], shape[2])
+            if tuple(state.shape) != expected:
+                raise ValueError(f"{name}: expected shape {expected}, got {tuple(state.shape)}")
+            states.append(state if batched else state[:, None])
+        return states
+
+
+def _check_dropout(dropout, num_layers: int) -> None:
+    if not isinstance(dropout, numbers.Number) or isinstance(dropout, bool) or not 0 <= dropout <= 1:
+        raise ValueError(f"dropout: expected a probability in [0, 1], got {dropout!r}")
+    if dropout > 0 and num_layers == 1:
+        warnings.warn(
+            f"dropout={dropout} has no effect with num_layers=1: dropout is applied between layers only",
+            UserWarning,
+            stacklevel=3,
+        )
+
+
+def _dropout(rows: mx.array, probability: float) -> mx.array:
+    """Inverted dropout, as torch: zero each element with the given probability, scale the rest by 1/(1-p)."""
+    if probability >= 1:
+        return mx.zeros_like(rows)
+    keep = mx.random.bernoulli(1 - probability, rows.shape)
+    return mx.where(keep, rows / (1 - probability), 0).astype(rows.dtype)
+
+
+class RNN(_RNNBase):
+    """Elman RNN: ``h_t = tanh(W_ih x_t + b_ih + W_hh h_{t-1} + b_hh)`` (or relu), torch's ``nn.RNN``."""
+
+    def __init__(
+        self,
+        input_size: int,
+        hidden_size: int,
+        num_layers: int = 1,
+        nonlinearity: str = "tanh",
+        bias: bool = True,
+        batch_first: bool = False,
+        dropout: float = 0.0,
+        bidirectional: bool = False,
+    ):
+        if nonlinearity not in ("tanh", "relu"):
+            raise ValueError(f"nonlinearity: expected 'tanh' or 'relu', got {nonlinearity!r}")
+        super().__init__(input_size, hidden_size, num_layers, bias, batch_first, dropout, bidirectional)
+        self.nonlinearity = nonlinearity
+
+    def _run_direction(self, rows, batch_sizes, states, suffix, reverse):
+        x_gates = self._input_side(rows, suffix, fold_hidden_bias=True)
+        weight_hh = getattr(self, "weight_hh" + suffix)
+        return recurrent.rnn_sequence(x_gates, weight_hh, states[0], batch_sizes, reverse, self.nonlinearity)
+
+
+class LSTM(_RNNBase):
+    """Long short-term memory, torch's ``nn.LSTM``: gates i, f, g, o; ``c_t = f c_{t-1} + i g``, ``h_t = o tanh(c_t)``.
+
+    With ``proj_size = P > 0``, h is projected to P units: ``h_t = W_hr (o tanh(c_t))``.
+    """
+
+    gate_blocks = 4
+
+    def _state_shapes(self, batch_size: int) -> list[tuple[int, ...]]:
+        layers = self.num_layers * self.num_directions
+        return [(layers, batch_size, self.output_size), (layers, batch_size, self.hidden_size)]
+
+    def _run_direction(self, rows, batch_sizes, states, suffix, reverse):
+        x_gates = self._input_side(rows, suffix, fold_hidden_bias=True)
+        weight_hh = getattr(self, "weight_hh" + suffix)
+        weight_hr = getattr(self, "weight_hr" + suffix) if self.proj_size else None
+        return recurrent.lstm_sequence(x_gates, weight_hh, states[0], states[1], batch_sizes, reverse, weight_hr)
+
+
+class GRU(_RNNBase):
+    """Gated recurrent unit, torch's ``nn.GRU``: gates r, z, n with ``n = tanh(W_in x + b_in + r (W_hn h + b_hn))``."""
+
+    gate_blocks = 3
+
+    def __init__(
+        self,
+        input_size: int,
+        hidden_size: int,
+        num_layers: int = 1,
+        bias: bool = True,
+        batch_first: bool = False,
+        dropout: float = 0.0,
+        bidirectional: bool = False,
+    ):
+        super().__init__(input_size, hidden_size, num_layers, bias, batch_first, dropout, bidirectional)
+
+    def _run_direction(self, rows, batch_sizes, states, suffix, reverse):
+        x_gates = self._input_side(rows, suffix, fold_hidden_bias=False)  # b_hn sits inside r * (...)
+        weight_hh = getattr(self, "weight_hh" + suffix)
+        bias_hh = getattr(self, "bias_hh" + suffix) if self.bias else mx.zeros((weight_hh.shape[0],), rows.dtype)
+        return recurrent.gru_sequence(x_gates, weight_hh, bias_hh, states[0], batch_sizes, reverse)
+
+
+# ------------------------------------------------------------------ from torch
+
+
+def _layer_options(module) -> dict:
+    return {
+        "num_layers": module.num_layers, "bias": module.bias, "batch_first": module.batch_first,
+        "dropout": module.dropout, "bidirectional": module.bidirectional,
+    }  # fmt: skip
+
+
+def _layer_from_torch(cls, module, **options):
+    with warnings.catch_warnings():  # torch already warned about dropout with one layer
+        warnings.simplefilter("ignore", UserWarning)
+        layer = cls(module.input_size, module.hidden_size, **_layer_options(module), **options)
+    layer.load_torch_state_dict(module.state_dict())
+    return layer.train(module.training)
+
+
+@register_from_torch("RNN")
+def _rnn_from_torch(module) -> RNN:
+    return _layer_from_torch(RNN, module, nonlinearity=module.nonlinearity)
+
+
+@register_from_torch("LSTM")
+def _lstm_from_torch(module) -> LSTM:
+    return _layer_from_torch(LSTM, module, proj_size=module.proj_size)
+
+
+@register_from_torch("GRU")
+def _gru_from_torch(module) -> GRU:
+    return _layer_from_torch(GRU, module)

@@ -1,0 +1,310 @@
+"""One recurrent layer, one direction, over a whole sequence: the fast CPU path, with its own backward.
+
+The layers in :mod:`seqlib.nn` (and the cells, which are sequences of length
+one) all end here.  The structure is the one fast implementations share
+(Appleyard et al. 2016, cuDNN):
+
+1. The input side of every gate, for every time step, is **one matmul** done by
+   the caller: ``x_gates = x @ W_ih.T + b`` with x all ``N`` rows of the sequence.
+2. Each step then needs only the recurrent matmul ``h @ W_hh.T`` and the
+   **fused pointwise gate math** (one compiled function, built on the
+   rational ``tanh`` of :mod:`seqlib.activations`).
+3. The backward is written by hand (backpropagation through time, as in
+   :mod:`seqlib.reference`): it walks the steps in reverse doing only what must
+   be sequential (the pointwise derivatives and ``d_gates @ W_hh``), and then
+   computes the weight gradients for all steps at once as **one matmul**
+   ``d_gates.T @ h_prev``.  Autodiff through the loop would build the weight
+   gradient from T small products and is several times slower.
+
+Sequences are *packed*: row-major by time step, ``batch_sizes[t]`` rows at step
+t, longest sequences first, exactly like :class:`seqlib.nn.utils.rnn.PackedSequence`.
+An ordinary (T, B) batch is the special case ``batch_sizes = (B,) * T``.  At step
+t only the first ``batch_sizes[t]`` rows of the state are updated; the rest
+keep their value, so the final state holds each sequence's own last step (its
+first step, going in reverse).  No work is spent on padding.
+
+Shapes: N rows in all, B = batch_sizes[0] sequences, H hidden units, P the
+size of h (P = H, or ``proj_size`` for a projected LSTM), G gate blocks.
+"""
+
+from __future__ import annotations
+
+import functools
+import platform
+import shutil
+
+import mlx.core as mx
+
+from seqlib.activations import fast_sigmoid, fast_tanh
+
+__all__ = ["gru_pointwise", "gru_sequence", "lstm_pointwise", "lstm_sequence", "rnn_sequence"]
+
+
+def _compile(function):
+    """``mx.compile`` where it can run: on Linux the CPU backend needs a C++ compiler at run time."""
+    if platform.system() == "Linux" and shutil.which("g++") is None:
+        return function
+    return mx.compile(function)
+
+
+# ----------------------------------------------------------------- pointwise gate math
+
+
+@functools.lru_cache(maxsize=64)
+def _lstm_activation_constants(hidden_size: int, dtype: mx.Dtype) -> tuple[mx.array, mx.array]:
+    """Per column of the (B, 4H) gates: sigmoid(x) = 0.5 tanh(0.5 x) + 0.5 for i, f, o; tanh(x) for g."""
+    half, one = mx.full((hidden_size,), 0.5, dtype), mx.ones((hidden_size,), dtype)
+    zero = mx.zeros((hidden_size,), dtype)
+    scale = mx.concatenate([half, half, one, half])
+    shift = mx.concatenate([half, half, zero, half])
+    mx.eval(scale, shift)
+    return scale, shift
+
+
+@_compile
+def _lstm_pointwise(gates, c_prev, scale, shift):
+    activations = fast_tanh(gates * scale) * scale + shift  # (B, 4H): sigmoid i, f, o and tanh g in one pass
+    i, f, g, o = mx.split(activations, 4, axis=-1)
+    c = f * c_prev + i * g
+    tanh_c = fast_tanh(c)
+    return o * tanh_c, c, activations, tanh_c
+
+
+def lstm_pointwise(gates: mx.array, c_prev: mx.array):
+    """The LSTM's gate math for one step.
+
+    gates: (B, 4H) pre-activations in the order i, f, g, o; c_prev: (B, H).
+    Returns ``h (B, H), c (B, H), activations (B, 4H), tanh_c (B, H)``;
+    the last two are what the backward needs.
+    """
+    scale, shift = _lstm_activation_constants(c_prev.shape[-1], gates.dtype)
+    return _lstm_pointwise(gates, c_prev, scale, shift)
+
+
+@_compile
+def lstm_pointwise_backward(d_h, d_c, activations, tanh_c, c_prev):
+    """Gradients through one step's gate math: returns ``d_gates (B, 4H), d_c_prev (B, H)``.
+
+    d_h, d_c: the gradients arriving at this step's h and c (B, H)."""
+    i, f, g, o = mx.split(activations, 4, axis=-1)
+    d_c = d_c + d_h * o * (1 - tanh_c * tanh_c)
+    d_i = d_c * g * i * (1 - i)
+    d_f = d_c * c_prev * f * (1 - f)
+    d_g = d_c * i * (1 - g * g)
+    d_o = d_h * tanh_c * o * (1 - o)
+    return mx.concatenate([d_i, d_f, d_g, d_o], axis=-1), d_c * f
+
+
+@_compile
+def gru_pointwise(input_side, hidden_side, h_prev):
+    """The GRU's gate math for one step, with PyTorch's ``n = tanh(i_n + r * (W_hn h + b_hn))``.
+
+    input_side: (B, 3H) ``W_ih x + b_ih``; hidden_side: (B, 3H) ``W_hh h + b_hh``; h_prev: (B, H).
+    Returns ``h (B, H), activations (B, 3H)`` with activations r, z, n.
+    """
+    input_r, input_z, input_n = mx.split(input_side, 3, axis=-1)
+    hidden_r, hidden_z, hidden_n = mx.split(hidden_side, 3, axis=-1)
+    r = fast_sigmoid(input_r + hidden_r)
+    z = fast_sigmoid(input_z + hidden_z)
+    n = fast_tanh(input_n + r * hidden_n)
+    return n + z * (h_prev - n), mx.concatenate([r, z, n], axis=-1)  # (1 - z) n + z h, as torch rounds it
+
+
+@_compile
+def gru_pointwise_backward(d_h, activations, hidden_side, h_prev):
+    """Returns ``d_input_side (B, 3H), d_hidden_side (B, 3H), d_h_prev`` (the direct part, without W_hh)."""
+    r, z, n = mx.split(activations, 3, axis=-1)
+    hidden_n = mx.split(hidden_side, 3, axis=-1)[2]
+    d_n = d_h * (1 - z) * (1 - n * n)
+    d_z = d_h * (h_prev - n) * z * (1 - z)
+    d_r = d_n * hidden_n * r * (1 - r)
+    d_input_side = mx.concatenate([d_r, d_z, d_n], axis=-1)
+    d_hidden_side = mx.concatenate([d_r, d_z, d_n * r], axis=-1)
+    return d_input_side, d_hidden_side, d_h * z
+
+
+@_compile
+def _tanh_backward(d_h, h):
+    return d_h * (1 - h * h)
+
+
+def _relu_backward(d_h, h):
+    return d_h * (h > 0)
+
+
+# ----------------------------------------------------------------- the sequence loop
+
+
+def _steps(batch_sizes: tuple[int, ...], reverse: bool):
+    """(t, first row, number of rows) for each step, in the order they are computed."""
+    offsets = [0]
+    for size in batch_sizes[:-1]:
+        offsets.append(offsets[-1] + size)
+    steps = list(zip(range(len(batch_sizes)), offsets, batch_sizes, strict=True))
+    return steps[::-1] if reverse else steps
+
+
+def _update(state: mx.array, new_rows: mx.array) -> mx.array:
+    """The state with its first rows replaced; the rest (finished or not yet started sequences) kept."""
+    if new_rows.shape[0] == state.shape[0]:
+        return new_rows
+    return mx.concatenate([new_rows, state[new_rows.shape[0]:]], axis=0)
+
+
+def _in_time_order(per_step: list) -> mx.array:
+    return mx.concatenate(per_step, axis=0) if len(per_step) > 1 else per_step[0]
+
+
+@functools.lru_cache(maxsize=512)
+def _lstm_sequence_function(batch_sizes: tuple[int, ...], reverse: bool, projected: bool):
+    steps = _steps(batch_sizes, reverse)
+    num_steps = len(steps)
+
+    @mx.custom_function
+    def forward(x_gates, w_hh, h0, c0, *projection):
+        # x_gates (N, 4H); w_hh (4H, P); h0 (B, P); c0 (B, H); projection: (w_hr (P, H),) or ()
+        h, c = h0, c0
+        outputs, activations, tanh_cs, c_prevs, h_prevs = ([None] * num_steps for _ in range(5))
+        for t, first, rows in steps:
+            h_prev, c_prev = h[:rows], c[:rows]
+            gates = mx.addmm(x_gates[first:first + rows], h_prev, w_hh.T)
+            h_new, c_new, activations[t], tanh_cs[t] = lstm_pointwise(gates, c_prev)
+            if projected:
+                h_new = h_new @ projection[0].T
+            outputs[t], c_prevs[t], h_prevs[t] = h_new, c_prev, h_prev
+            h, c = _update(h, h_new), _update(c, c_new)
+        return (_in_time_order(outputs), h, c, *activations, *tanh_cs, *c_prevs, *h_prevs)
+
+    @forward.vjp
+    def backward(primals, cotangents, outputs):
+        w_hh, projection = primals[1], primals[4:]
+        d_outputs, d_h, d_c = cotangents[:3]
+        saved = outputs[3:]
+        activations, tanh_cs = saved[:num_steps], saved[num_steps:2 * num_steps]
+        c_prevs, h_prevs = saved[2 * num_steps:3 * num_steps], saved[3 * num_steps:]
+        d_gates_steps, d_outputs_steps = [None] * num_steps, [None] * num_steps
+        for t, first, rows in reversed(steps):
+            d_out = d_outputs[first:first + rows] + d_h[:rows]
+            if projected:
+                d_outputs_steps[t] = d_out
+                d_out = d_out @ projection[0]
+            d_gates, d_c_prev = lstm_pointwise_backward(d_out, d_c[:rows], activations[t], tanh_cs[t], c_prevs[t])
+            d_h, d_c = _update(d_h, d_gates @ w_hh), _update(d_c, d_c_prev)
+            d_gates_steps[t] = d_gates
+        d_x_gates = _in_time_order(d_gates_steps)
+        d_w_hh = d_x_gates.T @ _in_time_order(list(h_prevs))  # every step's weight gradient in one matmul
+        grads = [d_x_gates, d_w_hh, d_h, d_c]
+        if projected:
+            hidden_size = tanh_cs[0].shape[-1]  # h before the projection is o * tanh(c), o the last gate block
+            h_unprojected = [a[:, -hidden_size:] * tanh_c for a, tanh_c in zip(activations, tanh_cs, strict=True)]
+            grads.append(_in_time_order(d_outputs_steps).T @ _in_time_order(h_unprojected))
+        return tuple(grads)
+
+    return forward
+
+
+def lstm_sequence(x_gates, w_hh, h0, c0, batch_sizes, reverse=False, w_hr=None):
+    """Run an LSTM over packed rows; returns ``output (N, P), h_n (B, P), c_n (B, H)``.
+
+    x_gates: (N, 4H) ``x @ W_ih.T + b_ih + b_hh`` for all rows; w_hh: (4H, P);
+    h0: (B, P), c0: (B, H); batch_sizes: rows per step; w_hr: (P, H) for a
+    projected LSTM (``proj_size = P``), else None.
+    """
+    function = _lstm_sequence_function(tuple(int(b) for b in batch_sizes), bool(reverse), w_hr is not None)
+    projection = () if w_hr is None else (w_hr,)
+    output, h_n, c_n = function(x_gates, w_hh, h0, c0, *projection)[:3]
+    return output, h_n, c_n
+
+
+@functools.lru_cache(maxsize=512)
+def _gru_sequence_function(batch_sizes: tuple[int, ...], reverse: bool):
+    steps = _steps(batch_sizes, reverse)
+    num_steps = len(steps)
+
+    @mx.custom_function
+    def forward(x_gates, w_hh, b_hh, h0):
+        # x_gates (N, 3H) = x @ W_ih.T + b_ih; w_hh (3H, H); b_hh (3H,); h0 (B, H)
+        h = h0
+        outputs, activations, hidden_sides, h_prevs = ([None] * num_steps for _ in range(4))
+        for t, first, rows in steps:
+            h_prev = h[:rows]
+            hidden_side = mx.addmm(b_hh, h_prev, w_hh.T)
+            outputs[t], activations[t] = gru_pointwise(x_gates[first:first + rows], hidden_side, h_prev)
+            hidden_sides[t], h_prevs[t] = hidden_side, h_prev
+            h = _update(h, outputs[t])
+        return (_in_time_order(outputs), h, *activations, *hidden_sides, *h_prevs)
+
+    @forward.vjp
+    def backward(primals, cotangents, outputs):
+        w_hh = primals[1]
+        d_outputs, d_h = cotangents[:2]
+        saved = outputs[2:]
+        activations, hidden_sides, h_prevs = saved[:num_steps], saved[num_steps:2 * num_steps], saved[2 * num_steps:]
+        d_input_steps, d_hidden_steps = [None] * num_steps, [None] * num_steps
+        for t, first, rows in reversed(steps):
+            d_out = d_outputs[first:first + rows] + d_h[:rows]
+            d_input_side, d_hidden_side, d_h_direct = gru_pointwise_backward(
+                d_out, activations[t], hidden_sides[t], h_prevs[t]
+            )
+            d_h = _update(d_h, mx.addmm(d_h_direct, d_hidden_side, w_hh))
+            d_input_steps[t], d_hidden_steps[t] = d_input_side, d_hidden_side
+        d_hidden_all = _in_time_order(d_hidden_steps)
+        d_w_hh = d_hidden_all.T @ _in_time_order(list(h_prevs))
+        return _in_time_order(d_input_steps), d_w_hh, d_hidden_all.sum(axis=0), d_h
+
+    return forward
+
+
+def gru_sequence(x_gates, w_hh, b_hh, h0, batch_sizes, reverse=False):
+    """Run a GRU over packed rows; returns ``output (N, H), h_n (B, H)``.
+
+    x_gates: (N, 3H) ``x @ W_ih.T + b_ih``; w_hh: (3H, H); b_hh: (3H,) (zeros
+    for a layer without bias); h0: (B, H).
+    """
+    function = _gru_sequence_function(tuple(int(b) for b in batch_sizes), bool(reverse))
+    output, h_n = function(x_gates, w_hh, b_hh, h0)[:2]
+    return output, h_n
+
+
+@functools.lru_cache(maxsize=512)
+def _rnn_sequence_function(batch_sizes: tuple[int, ...], reverse: bool, nonlinearity: str):
+    steps = _steps(batch_sizes, reverse)
+    num_steps = len(steps)
+    activation = fast_tanh if nonlinearity == "tanh" else (lambda x: mx.maximum(x, 0))
+    activation_backward = _tanh_backward if nonlinearity == "tanh" else _relu_backward
+
+    @mx.custom_function
+    def forward(x_gates, w_hh, h0):
+        # x_gates (N, H) = x @ W_ih.T + b_ih + b_hh; w_hh (H, H); h0 (B, H)
+        h = h0
+        outputs, h_prevs = [None] * num_steps, [None] * num_steps
+        for t, first, rows in steps:
+            h_prevs[t] = h[:rows]
+            outputs[t] = activation(mx.addmm(x_gates[first:first + rows], h_prevs[t], w_hh.T))
+            h = _update(h, outputs[t])
+        return (_in_time_order(outputs), h, *h_prevs)
+
+    @forward.vjp
+    def backward(primals, cotangents, outputs):
+        w_hh = primals[1]
+        d_outputs, d_h = cotangents[:2]
+        output, h_prevs = outputs[0], outputs[2:]
+        d_pre_steps = [None] * num_steps
+        for t, first, rows in reversed(steps):
+            d_out = d_outputs[first:first + rows] + d_h[:rows]
+            d_pre_steps[t] = activation_backward(d_out, output[first:first + rows])
+            d_h = _update(d_h, d_pre_steps[t] @ w_hh)
+        d_x_gates = _in_time_order(d_pre_steps)
+        return d_x_gates, d_x_gates.T @ _in_time_order(list(h_prevs)), d_h
+
+    return forward
+
+
+def rnn_sequence(x_gates, w_hh, h0, batch_sizes, reverse=False, nonlinearity="tanh"):
+    """Run an Elman RNN over packed rows; returns ``output (N, H), h_n (B, H)``.
+
+    x_gates: (N, H) ``x @ W_ih.T + b_ih + b_hh``; w_hh: (H, H); h0: (B, H).
+    """
+    function = _rnn_sequence_function(tuple(int(b) for b in batch_sizes), bool(reverse), nonlinearity)
+    output, h_n = function(x_gates, w_hh, h0)[:2]
+    return output, h_n
