@@ -1,4 +1,4 @@
-"""Moving weights between PyTorch and seqlib.
+"""Moving weights between PyTorch, mlx.nn and seqlib.
 
 seqlib's parameters carry torch's ``state_dict()`` names, so a state dict maps
 across key by key.  torch is imported lazily, only inside these functions (and
@@ -11,7 +11,7 @@ import mlx.core as mx
 import numpy as np
 from mlx.utils import tree_flatten, tree_unflatten
 
-__all__ = ["TorchStateDictMixin", "from_torch", "to_mlx_array"]
+__all__ = ["TorchStateDictMixin", "from_mlx", "from_torch", "to_mlx", "to_mlx_array"]
 
 _FROM_TORCH = {}  # torch class name -> function(torch_module) -> seqlib module
 
@@ -78,3 +78,82 @@ def from_torch(module):
         known = ", ".join(f"torch.nn.{known}" for known in sorted(_FROM_TORCH))
         raise TypeError(f"module: expected one of {known}, got {type(module).__module__}.{name}")
     return _FROM_TORCH[name](module)
+
+
+# ------------------------------------------------------------------ mlx.nn's recurrent layers
+#
+# mlx.nn.RNN / LSTM / GRU are one layer, one direction, batch-first, and fold the
+# two biases into one: LSTM and RNN keep ``bias = b_ih + b_hh``; GRU keeps
+# ``b = b_ih + (b_hr, b_hz, 0)`` and ``bhn = b_hn`` (b_hn must stay apart: it is
+# multiplied by r).  Their weights are torch's weight_ih/weight_hh (``Wx``/``Wh``,
+# ``Wxh``/``Whh`` for the RNN) with the same gate order.
+
+_MLX_WEIGHT_NAMES = {"RNN": ("Wxh", "Whh"), "LSTM": ("Wx", "Wh"), "GRU": ("Wx", "Wh")}
+
+
+def from_mlx(module):
+    """The seqlib layer (``batch_first=True``, like MLX's) computing what an ``mlx.nn`` RNN/LSTM/GRU computes.
+
+    Note that MLX's layers return every step's hidden state (and, for the LSTM, every cell
+    state), where seqlib's return ``output, h_n`` (``output, (h_n, c_n)``) as torch does.
+    """
+    import mlx.nn
+
+    from seqlib import nn
+
+    kind = type(module).__name__
+    if kind not in _MLX_WEIGHT_NAMES or not isinstance(module, mlx.nn.Module):
+        raise TypeError(f"module: expected mlx.nn.RNN, mlx.nn.LSTM or mlx.nn.GRU, got {type(module).__name__}")
+    w_x, w_h = (getattr(module, name) for name in _MLX_WEIGHT_NAMES[kind])
+    hidden_size, input_size = w_h.shape[1], w_x.shape[1]
+    bias = "bias" in module or "b" in module
+    options = {"bias": bias, "batch_first": True}
+    if kind == "RNN":
+        options["nonlinearity"] = _mlx_nonlinearity_name(module.nonlinearity)
+    layer = getattr(nn, kind)(input_size, hidden_size, **options)
+    weights = {"weight_ih_l0": w_x, "weight_hh_l0": w_h}
+    if bias and kind == "GRU":
+        zeros = mx.zeros((2 * hidden_size,), module.b.dtype)
+        weights |= {"bias_ih_l0": module.b, "bias_hh_l0": mx.concatenate([zeros, module.bhn])}
+    elif bias:
+        weights |= {"bias_ih_l0": module.bias, "bias_hh_l0": mx.zeros_like(module.bias)}
+    layer.update(tree_unflatten(list(weights.items())))
+    return layer
+
+
+def to_mlx(layer):
+    """The ``mlx.nn`` RNN/LSTM/GRU with the weights of a one-layer, one-direction seqlib layer (biases folded)."""
+    import mlx.nn
+
+    kind = type(layer).__name__
+    if kind not in _MLX_WEIGHT_NAMES or not type(layer).__module__.startswith("seqlib"):
+        raise TypeError(f"layer: expected seqlib.nn.RNN, LSTM or GRU, got {type(layer).__name__}")
+    if layer.num_layers != 1 or layer.bidirectional or getattr(layer, "proj_size", 0):
+        raise ValueError(
+            f"layer: mlx.nn.{kind} has one layer, one direction and no projection; got num_layers="
+            f"{layer.num_layers}, bidirectional={layer.bidirectional}, proj_size={getattr(layer, 'proj_size', 0)}"
+        )
+    options = {"bias": layer.bias}
+    if kind == "RNN":
+        options["nonlinearity"] = mlx.nn.relu if layer.nonlinearity == "relu" else mlx.nn.tanh
+    module = getattr(mlx.nn, kind)(layer.input_size, layer.hidden_size, **options)
+    w_x, w_h = _MLX_WEIGHT_NAMES[kind]
+    weights = {w_x: layer.weight_ih_l0, w_h: layer.weight_hh_l0}
+    if layer.bias and kind == "GRU":
+        hidden_size = layer.hidden_size
+        folded = layer.bias_ih_l0 + mx.concatenate([layer.bias_hh_l0[: 2 * hidden_size], mx.zeros((hidden_size,))])
+        weights |= {"b": folded, "bhn": layer.bias_hh_l0[2 * hidden_size :]}
+    elif layer.bias:
+        weights["bias"] = layer.bias_ih_l0 + layer.bias_hh_l0
+    module.update(tree_unflatten(list(weights.items())))
+    return module
+
+
+def _mlx_nonlinearity_name(function) -> str:
+    import mlx.nn
+
+    if function in (mlx.nn.tanh, mx.tanh):
+        return "tanh"
+    if function in (mlx.nn.relu,):
+        return "relu"
+    raise ValueError(f"module.nonlinearity: seqlib's RNN supports tanh and relu, got {function!r}")

@@ -6,19 +6,23 @@ import argparse
 
 import seqlib  # noqa: F401  (routes MLX's BLAS before mlx.core is imported)
 
-SUITES = ("embedding",)
+SUITES = ("embedding", "recurrent")
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(prog="python -m seqlib.bench", description=__doc__)
     parser.add_argument("suite", choices=SUITES)
-    parser.add_argument("--repeats", type=int, default=15, help="timed runs per implementation (median is reported)")
+    parser.add_argument("--repeats", type=int, default=None, help="timed runs per implementation (median is reported)")
     parser.add_argument("--quick", action="store_true", help="smaller sizes, for a smoke test")
     args = parser.parse_args()
     if args.suite == "embedding":
         from seqlib.bench import embedding
 
-        embedding.main(repeats=args.repeats, quick=args.quick)
+        embedding.main(repeats=args.repeats or 15, quick=args.quick)
+    elif args.suite == "recurrent":
+        from seqlib.bench import recurrent
+
+        recurrent.main(repeats=args.repeats or 7, quick=args.quick)
 
 
 if __name__ == "__main__":
