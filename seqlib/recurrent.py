@@ -35,7 +35,7 @@ import shutil
 
 import mlx.core as mx
 
-from seqlib.activations import fast_sigmoid, fast_tanh
+from seqlib.activations import fast_tanh
 
 __all__ = ["gru_pointwise", "gru_sequence", "lstm_pointwise", "lstm_sequence", "rnn_sequence"]
 
@@ -48,6 +48,39 @@ def _compile(function):
 
 
 # ----------------------------------------------------------------- pointwise gate math
+#
+# Each gate function is written once, for a given ``tanh``, in two builds:
+# compiled, with the rational tanh of seqlib.activations (fused into a few
+# vectorised loops); and eager, with ``mx.tanh``.  The eager build is for calls
+# under ``mx.grad``/``mx.vjp``: there MLX does not compile (its inputs are
+# tracers, and ``mx.compile`` then just calls the Python function), and one
+# ``mx.tanh`` beats the dozen separate ops of an uncompiled rational.
+
+
+_compiled_traces = 0
+
+
+def _count_trace(x):
+    global _compiled_traces
+    _compiled_traces += 1
+    return x
+
+
+_trace_probe = _compile(_count_trace)
+for _dtype in (mx.float32, mx.float16, mx.bfloat16):  # trace the probe once now, not on a user's first call
+    _trace_probe(mx.zeros((1,), _dtype))
+
+
+def _compiles_here(x: mx.array) -> bool:
+    """Whether a compiled function called with ``x`` runs compiled: it re-traces (runs its Python body)
+    on every call only while ``x`` is being traced by a transformation, or when compiling is off."""
+    before = _compiled_traces
+    _trace_probe(x.reshape(-1)[:1])  # a fixed shape: the probe itself is traced once per dtype
+    return _compiled_traces == before
+
+
+def _sigmoid(tanh, x):
+    return 0.5 * tanh(0.5 * x) + 0.5
 
 
 @functools.lru_cache(maxsize=64)
@@ -61,13 +94,15 @@ def _lstm_activation_constants(hidden_size: int, dtype: mx.Dtype) -> tuple[mx.ar
     return scale, shift
 
 
-@_compile
-def _lstm_pointwise(gates, c_prev, scale, shift):
-    activations = fast_tanh(gates * scale) * scale + shift  # (B, 4H): sigmoid i, f, o and tanh g in one pass
+def _lstm_pointwise(tanh, gates, c_prev, scale, shift):
+    activations = tanh(gates * scale) * scale + shift  # (B, 4H): sigmoid i, f, o and tanh g in one pass
     i, f, g, o = mx.split(activations, 4, axis=-1)
     c = f * c_prev + i * g
-    tanh_c = fast_tanh(c)
+    tanh_c = tanh(c)
     return o * tanh_c, c, activations, tanh_c
+
+
+_lstm_pointwise_compiled = _compile(functools.partial(_lstm_pointwise, fast_tanh))
 
 
 def lstm_pointwise(gates: mx.array, c_prev: mx.array):
@@ -78,7 +113,9 @@ def lstm_pointwise(gates: mx.array, c_prev: mx.array):
     the last two are what the backward needs.
     """
     scale, shift = _lstm_activation_constants(c_prev.shape[-1], gates.dtype)
-    return _lstm_pointwise(gates, c_prev, scale, shift)
+    if _compiles_here(gates):
+        return _lstm_pointwise_compiled(gates, c_prev, scale, shift)
+    return _lstm_pointwise(mx.tanh, gates, c_prev, scale, shift)
 
 
 @_compile
@@ -95,19 +132,27 @@ def lstm_pointwise_backward(d_h, d_c, activations, tanh_c, c_prev):
     return mx.concatenate([d_i, d_f, d_g, d_o], axis=-1), d_c * f
 
 
-@_compile
-def gru_pointwise(input_side, hidden_side, h_prev):
+def _gru_pointwise(tanh, input_side, hidden_side, h_prev):
+    input_r, input_z, input_n = mx.split(input_side, 3, axis=-1)
+    hidden_r, hidden_z, hidden_n = mx.split(hidden_side, 3, axis=-1)
+    r = _sigmoid(tanh, input_r + hidden_r)
+    z = _sigmoid(tanh, input_z + hidden_z)
+    n = tanh(input_n + r * hidden_n)
+    return n + z * (h_prev - n), mx.concatenate([r, z, n], axis=-1)  # (1 - z) n + z h, as torch rounds it
+
+
+_gru_pointwise_compiled = _compile(functools.partial(_gru_pointwise, fast_tanh))
+
+
+def gru_pointwise(input_side: mx.array, hidden_side: mx.array, h_prev: mx.array):
     """The GRU's gate math for one step, with PyTorch's ``n = tanh(i_n + r * (W_hn h + b_hn))``.
 
     input_side: (B, 3H) ``W_ih x + b_ih``; hidden_side: (B, 3H) ``W_hh h + b_hh``; h_prev: (B, H).
     Returns ``h (B, H), activations (B, 3H)`` with activations r, z, n.
     """
-    input_r, input_z, input_n = mx.split(input_side, 3, axis=-1)
-    hidden_r, hidden_z, hidden_n = mx.split(hidden_side, 3, axis=-1)
-    r = fast_sigmoid(input_r + hidden_r)
-    z = fast_sigmoid(input_z + hidden_z)
-    n = fast_tanh(input_n + r * hidden_n)
-    return n + z * (h_prev - n), mx.concatenate([r, z, n], axis=-1)  # (1 - z) n + z h, as torch rounds it
+    if _compiles_here(input_side):
+        return _gru_pointwise_compiled(input_side, hidden_side, h_prev)
+    return _gru_pointwise(mx.tanh, input_side, hidden_side, h_prev)
 
 
 @_compile
@@ -121,6 +166,17 @@ def gru_pointwise_backward(d_h, activations, hidden_side, h_prev):
     d_input_side = mx.concatenate([d_r, d_z, d_n], axis=-1)
     d_hidden_side = mx.concatenate([d_r, d_z, d_n * r], axis=-1)
     return d_input_side, d_hidden_side, d_h * z
+
+
+_fast_tanh_compiled = _compile(fast_tanh)
+
+
+def _tanh(x: mx.array) -> mx.array:
+    return _fast_tanh_compiled(x) if _compiles_here(x) else mx.tanh(x)
+
+
+def _relu(x: mx.array) -> mx.array:
+    return mx.maximum(x, 0)
 
 
 @_compile
@@ -270,7 +326,7 @@ def gru_sequence(x_gates, w_hh, b_hh, h0, batch_sizes, reverse=False):
 def _rnn_sequence_function(batch_sizes: tuple[int, ...], reverse: bool, nonlinearity: str):
     steps = _steps(batch_sizes, reverse)
     num_steps = len(steps)
-    activation = fast_tanh if nonlinearity == "tanh" else (lambda x: mx.maximum(x, 0))
+    activation = _tanh if nonlinearity == "tanh" else _relu
     activation_backward = _tanh_backward if nonlinearity == "tanh" else _relu_backward
 
     @mx.custom_function
