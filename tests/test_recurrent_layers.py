@@ -296,3 +296,16 @@ def test_packed_input_with_the_wrong_feature_size_is_refused():
     packed = packing.pack_sequence([mx.zeros((2, 5)), mx.zeros((1, 5))])
     with pytest.raises(ValueError, match=r"input\.data.*input_size=3"):
         seqlib.nn.GRU(3, 4)(packed)
+
+
+@pytest.mark.parametrize("dtype", [mx.float16, mx.bfloat16])
+@pytest.mark.parametrize("kind", KINDS)
+def test_half_precision_layers_track_float32(kind, dtype):
+    torch.manual_seed(0)
+    ours = seqlib.from_torch(make_torch_layer(kind, 4, 8, num_layers=2, bidirectional=True))
+    x = mx.random.normal((6, 3, 4))
+    expected = np.array(ours(x)[0])
+    ours.set_dtype(dtype)
+    got = ours(x.astype(dtype))[0]
+    assert got.dtype == dtype
+    np.testing.assert_allclose(np.array(got.astype(mx.float32)), expected, atol=3e-2 if dtype == mx.bfloat16 else 5e-3)

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-__all__ = ["Case", "run_cases"]
+__all__ = ["Case", "print_versions", "run_cases"]
 
 
 @dataclass
@@ -31,6 +31,23 @@ class Case:
     tolerance: float = 1e-4
     notes: list[str] = field(default_factory=list)
     mlx_baseline: str = "mlx ops"  # the implementation the "vs mlx" column divides by
+
+
+def print_versions() -> None:
+    """The versions and settings a reader needs to compare timings."""
+    import importlib.util
+
+    import mlx.core as mx
+
+    import seqlib
+
+    print(f"seqlib {seqlib.__version__}, MLX {mx.__version__}, BLAS routed: {seqlib.blas_status().routed}")
+    if importlib.util.find_spec("torch") is None:
+        print("torch is not installed: no torch column")
+        return
+    import torch
+
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, oneDNN: {torch.backends.mkldnn.enabled}")
 
 
 def _median_seconds(samples: list[float]) -> float:

@@ -17,7 +17,7 @@ import mlx.nn as nn
 import numpy as np
 
 import seqlib
-from seqlib.bench import Case, run_cases
+from seqlib.bench import Case, print_versions, run_cases
 
 HAVE_TORCH = importlib.util.find_spec("torch") is not None
 
@@ -201,13 +201,7 @@ def peak_memory_report(vocab: int, dim: int, num_bags: int, max_len: int) -> Non
 
 
 def main(repeats: int = 15, quick: bool = False) -> None:
-    print(f"seqlib {seqlib.__version__}, MLX {mx.__version__}, BLAS routed: {seqlib.blas_status().routed}")
-    if HAVE_TORCH:
-        import torch
-
-        print(f"torch {torch.__version__}, {torch.get_num_threads()} threads")
-    else:
-        print("torch is not installed: no torch column")
+    print_versions()
     if quick:
         cases = [embedding_case(5_000, 64, (8, 100)), *bag_cases(20_000, 32, 256, 40)]
         run_cases(cases, repeats=3, warmup=1)

@@ -25,7 +25,7 @@ import mlx.nn
 import numpy as np
 
 import seqlib
-from seqlib.bench import Case, run_cases
+from seqlib.bench import Case, print_versions, run_cases
 from seqlib.interop import to_mlx
 
 HAVE_TORCH = importlib.util.find_spec("torch") is not None
@@ -143,13 +143,7 @@ def recurrent_case(kind: str, shape: tuple[int, int, int, int], backward: bool) 
 
 
 def main(repeats: int = 7, quick: bool = False) -> None:
-    print(f"seqlib {seqlib.__version__}, MLX {mx.__version__}, BLAS routed: {seqlib.blas_status().routed}")
-    if HAVE_TORCH:
-        import torch
-
-        print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, oneDNN: {torch.backends.mkldnn.enabled}")
-    else:
-        print("torch is not installed: no torch column")
+    print_versions()
     shapes = QUICK_SHAPES if quick else SHAPES
     cases = [recurrent_case(kind, shape, backward) for shape in shapes
              for kind in ("LSTM", "GRU") for backward in (False, True)]  # fmt: skip
