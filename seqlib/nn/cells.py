@@ -16,15 +16,15 @@ import math
 import mlx.core as mx
 import mlx.nn as nn
 
-from seqlib import recurrent
 from seqlib._checks import check_positive_ints
 from seqlib.interop import TorchStateDictMixin, register_from_torch
+from seqlib.nn.recurrent import _GRURecurrence, _LSTMRecurrence, _RNNRecurrence
 
 NONLINEARITIES = ("tanh", "relu")
 
 
 class _Cell(TorchStateDictMixin, nn.Module):
-    gate_blocks = 1
+    proj_size = 0  # cells have no projection; the shared LSTM step reads this
 
     def __init__(self, input_size: int, hidden_size: int, bias: bool = True):
         super().__init__()
@@ -63,18 +63,11 @@ class _Cell(TorchStateDictMixin, nn.Module):
                              f"got {tuple(state.shape)}")  # fmt: skip
         return state
 
-    def _input_side(self, input: mx.array, fold_hidden_bias: bool) -> mx.array:
-        """``W_ih x + b_ih`` (+ ``b_hh`` where it can be folded in): (B, G*H)."""
-        if not self.bias:
-            return input @ self.weight_ih.T
-        bias = self.bias_ih + self.bias_hh if fold_hidden_bias else self.bias_ih
-        return mx.addmm(bias, input, self.weight_ih.T)
+# A cell is a sequence of length one: the same step (and hand-written backward) as the layers,
+# with suffix "" for its parameter names.
 
 
-# A cell is a sequence of length one: the same step (and hand-written backward) as the layers.
-
-
-class RNNCell(_Cell):
+class RNNCell(_RNNRecurrence, _Cell):
     """``h' = tanh(W_ih x + b_ih + W_hh h + b_hh)`` (or ``relu``)."""
 
     def __init__(self, input_size: int, hidden_size: int, bias: bool = True, nonlinearity: str = "tanh"):
@@ -88,15 +81,12 @@ class RNNCell(_Cell):
         hidden = self._state(hx, input, batched, "hx")
         if not batched:
             return self(input[None], hidden[None])[0]
-        x_gates = self._input_side(input, fold_hidden_bias=True)
-        h, _ = recurrent.rnn_sequence(x_gates, self.weight_hh, hidden, [input.shape[0]], False, self.nonlinearity)
+        h, _ = self._run_direction(input, [input.shape[0]], [hidden], "", reverse=False)
         return h
 
 
-class LSTMCell(_Cell):
+class LSTMCell(_LSTMRecurrence, _Cell):
     """``c' = f * c + i * g``, ``h' = o * tanh(c')``; gates i, f, g, o from one packed (4H, D) matmul."""
-
-    gate_blocks = 4
 
     def __call__(self, input: mx.array, hx: tuple[mx.array, mx.array] | None = None):
         batched = self._check_input(input)
@@ -107,24 +97,19 @@ class LSTMCell(_Cell):
         if not batched:
             h, c = self(input[None], (hidden[None], cell[None]))
             return h[0], c[0]
-        x_gates = self._input_side(input, fold_hidden_bias=True)
-        h, _, c = recurrent.lstm_sequence(x_gates, self.weight_hh, hidden, cell, [input.shape[0]])
+        h, _, c = self._run_direction(input, [input.shape[0]], [hidden, cell], "", reverse=False)
         return h, c
 
 
-class GRUCell(_Cell):
+class GRUCell(_GRURecurrence, _Cell):
     """``n = tanh(W_in x + b_in + r * (W_hn h + b_hn))``, ``h' = (1 - z) * n + z * h``; gates r, z, n."""
-
-    gate_blocks = 3
 
     def __call__(self, input: mx.array, hx: mx.array | None = None) -> mx.array:
         batched = self._check_input(input)
         hidden = self._state(hx, input, batched, "hx")
         if not batched:
             return self(input[None], hidden[None])[0]
-        x_gates = self._input_side(input, fold_hidden_bias=False)
-        bias_hh = self.bias_hh if self.bias else mx.zeros((self.weight_hh.shape[0],), input.dtype)
-        h, _ = recurrent.gru_sequence(x_gates, self.weight_hh, bias_hh, hidden, [input.shape[0]])
+        h, _ = self._run_direction(input, [input.shape[0]], [hidden], "", reverse=False)
         return h
 
 

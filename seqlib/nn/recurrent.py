@@ -38,9 +38,55 @@ from seqlib.nn.utils.rnn import PackedSequence, check_packed_sequence
 __all__ = ["GRU", "LSTM", "RNN"]
 
 
-class _RNNBase(TorchStateDictMixin, nn.Module):
+class _Recurrence:
+    """The step maths that a cell and each direction of a layer share, run by :mod:`seqlib.recurrent`.
+
+    Parameters are found by name: ``weight_ih{suffix}``, ``weight_hh{suffix}``, ... with suffix
+    ``""`` for a cell and ``"_l0"``, ``"_l1_reverse"``, ... for a layer.  ``_run_direction`` takes
+    packed rows (N, D) and the initial states (B, .) and returns ``output, h_n`` (``output, h_n, c_n``).
+    """
+
     gate_blocks = 1
 
+    def _input_side(self, rows, suffix: str, fold_hidden_bias: bool) -> mx.array:
+        """``rows @ W_ih.T + b_ih`` (+ ``b_hh`` where it can be folded in) for every row at once."""
+        weight_ih = getattr(self, "weight_ih" + suffix)
+        if not self.bias:
+            return rows @ weight_ih.T
+        bias = getattr(self, "bias_ih" + suffix)
+        if fold_hidden_bias:
+            bias = bias + getattr(self, "bias_hh" + suffix)
+        return mx.addmm(bias, rows, weight_ih.T)
+
+
+class _RNNRecurrence(_Recurrence):
+    def _run_direction(self, rows, batch_sizes, states, suffix, reverse):
+        x_gates = self._input_side(rows, suffix, fold_hidden_bias=True)
+        weight_hh = getattr(self, "weight_hh" + suffix)
+        return recurrent.rnn_sequence(x_gates, weight_hh, states[0], batch_sizes, reverse, self.nonlinearity)
+
+
+class _LSTMRecurrence(_Recurrence):
+    gate_blocks = 4
+
+    def _run_direction(self, rows, batch_sizes, states, suffix, reverse):
+        x_gates = self._input_side(rows, suffix, fold_hidden_bias=True)
+        weight_hh = getattr(self, "weight_hh" + suffix)
+        weight_hr = getattr(self, "weight_hr" + suffix) if self.proj_size else None
+        return recurrent.lstm_sequence(x_gates, weight_hh, states[0], states[1], batch_sizes, reverse, weight_hr)
+
+
+class _GRURecurrence(_Recurrence):
+    gate_blocks = 3
+
+    def _run_direction(self, rows, batch_sizes, states, suffix, reverse):
+        x_gates = self._input_side(rows, suffix, fold_hidden_bias=False)  # b_hn sits inside r * (...)
+        weight_hh = getattr(self, "weight_hh" + suffix)
+        bias_hh = getattr(self, "bias_hh" + suffix) if self.bias else mx.zeros((weight_hh.shape[0],), rows.dtype)
+        return recurrent.gru_sequence(x_gates, weight_hh, bias_hh, states[0], batch_sizes, reverse)
+
+
+class _RNNBase(TorchStateDictMixin, nn.Module):
     def __init__(
         self,
         input_size: int,
@@ -143,16 +189,6 @@ class _RNNBase(TorchStateDictMixin, nn.Module):
             rows = outputs[0] if len(outputs) == 1 else mx.concatenate(outputs, axis=-1)
         return rows, [mx.stack(values) for values in finals]
 
-    def _input_side(self, rows, suffix: str, fold_hidden_bias: bool) -> mx.array:
-        """``rows @ W_ih.T + b_ih`` (+ ``b_hh`` where it can be folded in) for every step at once."""
-        weight_ih = getattr(self, "weight_ih" + suffix)
-        if not self.bias:
-            return rows @ weight_ih.T
-        bias = getattr(self, "bias_ih" + suffix)
-        if fold_hidden_bias:
-            bias = bias + getattr(self, "bias_hh" + suffix)
-        return mx.addmm(bias, rows, weight_ih.T)
-
     # ------------------------------------------------------------ argument checks
 
     def _check_features(self, rows: mx.array, name: str) -> None:
@@ -218,7 +254,7 @@ def _dropout(rows: mx.array, probability: float) -> mx.array:
     return mx.where(keep, rows / (1 - probability), 0).astype(rows.dtype)
 
 
-class RNN(_RNNBase):
+class RNN(_RNNRecurrence, _RNNBase):
     """Elman RNN: ``h_t = tanh(W_ih x_t + b_ih + W_hh h_{t-1} + b_hh)`` (or relu), torch's ``nn.RNN``."""
 
     def __init__(
@@ -237,35 +273,20 @@ class RNN(_RNNBase):
         super().__init__(input_size, hidden_size, num_layers, bias, batch_first, dropout, bidirectional)
         self.nonlinearity = nonlinearity
 
-    def _run_direction(self, rows, batch_sizes, states, suffix, reverse):
-        x_gates = self._input_side(rows, suffix, fold_hidden_bias=True)
-        weight_hh = getattr(self, "weight_hh" + suffix)
-        return recurrent.rnn_sequence(x_gates, weight_hh, states[0], batch_sizes, reverse, self.nonlinearity)
 
-
-class LSTM(_RNNBase):
+class LSTM(_LSTMRecurrence, _RNNBase):
     """Long short-term memory, torch's ``nn.LSTM``: gates i, f, g, o; ``c_t = f c_{t-1} + i g``, ``h_t = o tanh(c_t)``.
 
     With ``proj_size = P > 0``, h is projected to P units: ``h_t = W_hr (o tanh(c_t))``.
     """
 
-    gate_blocks = 4
-
     def _state_shapes(self, batch_size: int) -> list[tuple[int, ...]]:
         layers = self.num_layers * self.num_directions
         return [(layers, batch_size, self.output_size), (layers, batch_size, self.hidden_size)]
 
-    def _run_direction(self, rows, batch_sizes, states, suffix, reverse):
-        x_gates = self._input_side(rows, suffix, fold_hidden_bias=True)
-        weight_hh = getattr(self, "weight_hh" + suffix)
-        weight_hr = getattr(self, "weight_hr" + suffix) if self.proj_size else None
-        return recurrent.lstm_sequence(x_gates, weight_hh, states[0], states[1], batch_sizes, reverse, weight_hr)
 
-
-class GRU(_RNNBase):
+class GRU(_GRURecurrence, _RNNBase):
     """Gated recurrent unit, torch's ``nn.GRU``: gates r, z, n with ``n = tanh(W_in x + b_in + r (W_hn h + b_hn))``."""
-
-    gate_blocks = 3
 
     def __init__(
         self,
@@ -278,12 +299,6 @@ class GRU(_RNNBase):
         bidirectional: bool = False,
     ):
         super().__init__(input_size, hidden_size, num_layers, bias, batch_first, dropout, bidirectional)
-
-    def _run_direction(self, rows, batch_sizes, states, suffix, reverse):
-        x_gates = self._input_side(rows, suffix, fold_hidden_bias=False)  # b_hn sits inside r * (...)
-        weight_hh = getattr(self, "weight_hh" + suffix)
-        bias_hh = getattr(self, "bias_hh" + suffix) if self.bias else mx.zeros((weight_hh.shape[0],), rows.dtype)
-        return recurrent.gru_sequence(x_gates, weight_hh, bias_hh, states[0], batch_sizes, reverse)
 
 
 # ------------------------------------------------------------------ from torch
