@@ -105,15 +105,16 @@ def _lstm_pointwise(tanh, gates, c_prev, scale, shift):
 _lstm_pointwise_compiled = _compile(functools.partial(_lstm_pointwise, fast_tanh))
 
 
-def lstm_pointwise(gates: mx.array, c_prev: mx.array):
+def lstm_pointwise(gates: mx.array, c_prev: mx.array, compiled: bool | None = None):
     """The LSTM's gate math for one step.
 
     gates: (B, 4H) pre-activations in the order i, f, g, o; c_prev: (B, H).
     Returns ``h (B, H), c (B, H), activations (B, 4H), tanh_c (B, H)``;
-    the last two are what the backward needs.
+    the last two are what the backward needs.  ``compiled``: which build to run
+    (None: ask :func:`_compiles_here`; the sequence loops ask once per sequence).
     """
     scale, shift = _lstm_activation_constants(c_prev.shape[-1], gates.dtype)
-    if _compiles_here(gates):
+    if _compiles_here(gates) if compiled is None else compiled:
         return _lstm_pointwise_compiled(gates, c_prev, scale, shift)
     return _lstm_pointwise(mx.tanh, gates, c_prev, scale, shift)
 
@@ -144,13 +145,14 @@ def _gru_pointwise(tanh, input_side, hidden_side, h_prev):
 _gru_pointwise_compiled = _compile(functools.partial(_gru_pointwise, fast_tanh))
 
 
-def gru_pointwise(input_side: mx.array, hidden_side: mx.array, h_prev: mx.array):
+def gru_pointwise(input_side: mx.array, hidden_side: mx.array, h_prev: mx.array, compiled: bool | None = None):
     """The GRU's gate math for one step, with PyTorch's ``n = tanh(i_n + r * (W_hn h + b_hn))``.
 
     input_side: (B, 3H) ``W_ih x + b_ih``; hidden_side: (B, 3H) ``W_hh h + b_hh``; h_prev: (B, H).
-    Returns ``h (B, H), activations (B, 3H)`` with activations r, z, n.
+    Returns ``h (B, H), activations (B, 3H)`` with activations r, z, n; ``compiled`` as in
+    :func:`lstm_pointwise`.
     """
-    if _compiles_here(input_side):
+    if _compiles_here(input_side) if compiled is None else compiled:
         return _gru_pointwise_compiled(input_side, hidden_side, h_prev)
     return _gru_pointwise(mx.tanh, input_side, hidden_side, h_prev)
 
@@ -171,11 +173,11 @@ def gru_pointwise_backward(d_h, activations, hidden_side, h_prev):
 _fast_tanh_compiled = _compile(fast_tanh)
 
 
-def _tanh(x: mx.array) -> mx.array:
-    return _fast_tanh_compiled(x) if _compiles_here(x) else mx.tanh(x)
+def _tanh(x: mx.array, compiled: bool) -> mx.array:
+    return _fast_tanh_compiled(x) if compiled else mx.tanh(x)
 
 
-def _relu(x: mx.array) -> mx.array:
+def _relu(x: mx.array, compiled: bool) -> mx.array:
     return mx.maximum(x, 0)
 
 
@@ -220,11 +222,12 @@ def _lstm_sequence_function(batch_sizes: tuple[int, ...], reverse: bool, project
     def forward(x_gates, w_hh, h0, c0, *projection):
         # x_gates (N, 4H); w_hh (4H, P); h0 (B, P); c0 (B, H); projection: (w_hr (P, H),) or ()
         h, c = h0, c0
+        compiled = _compiles_here(x_gates)
         outputs, activations, tanh_cs, c_prevs, h_prevs = ([None] * num_steps for _ in range(5))
         for t, first, rows in steps:
             h_prev, c_prev = h[:rows], c[:rows]
             gates = mx.addmm(x_gates[first:first + rows], h_prev, w_hh.T)
-            h_new, c_new, activations[t], tanh_cs[t] = lstm_pointwise(gates, c_prev)
+            h_new, c_new, activations[t], tanh_cs[t] = lstm_pointwise(gates, c_prev, compiled)
             if projected:
                 h_new = h_new @ projection[0].T
             outputs[t], c_prevs[t], h_prevs[t] = h_new, c_prev, h_prev
@@ -281,11 +284,12 @@ def _gru_sequence_function(batch_sizes: tuple[int, ...], reverse: bool):
     def forward(x_gates, w_hh, b_hh, h0):
         # x_gates (N, 3H) = x @ W_ih.T + b_ih; w_hh (3H, H); b_hh (3H,); h0 (B, H)
         h = h0
+        compiled = _compiles_here(x_gates)
         outputs, activations, hidden_sides, h_prevs = ([None] * num_steps for _ in range(4))
         for t, first, rows in steps:
             h_prev = h[:rows]
             hidden_side = mx.addmm(b_hh, h_prev, w_hh.T)
-            outputs[t], activations[t] = gru_pointwise(x_gates[first:first + rows], hidden_side, h_prev)
+            outputs[t], activations[t] = gru_pointwise(x_gates[first:first + rows], hidden_side, h_prev, compiled)
             hidden_sides[t], h_prevs[t] = hidden_side, h_prev
             h = _update(h, outputs[t])
         return (_in_time_order(outputs), h, *activations, *hidden_sides, *h_prevs)
@@ -333,10 +337,11 @@ def _rnn_sequence_function(batch_sizes: tuple[int, ...], reverse: bool, nonlinea
     def forward(x_gates, w_hh, h0):
         # x_gates (N, H) = x @ W_ih.T + b_ih + b_hh; w_hh (H, H); h0 (B, H)
         h = h0
+        compiled = _compiles_here(x_gates)
         outputs, h_prevs = [None] * num_steps, [None] * num_steps
         for t, first, rows in steps:
             h_prevs[t] = h[:rows]
-            outputs[t] = activation(mx.addmm(x_gates[first:first + rows], h_prevs[t], w_hh.T))
+            outputs[t] = activation(mx.addmm(x_gates[first:first + rows], h_prevs[t], w_hh.T), compiled)
             h = _update(h, outputs[t])
         return (_in_time_order(outputs), h, *h_prevs)
 
