@@ -220,10 +220,12 @@ class _RNNBase(TorchStateDictMixin, nn.Module):
         shapes = self._state_shapes(batch_size)
         if hx is None:
             return [mx.zeros(shape, dtype) for shape in shapes]
-        given = list(hx) if len(shapes) == 2 and isinstance(hx, (tuple, list)) else [hx]
-        if len(shapes) == 2 and (not isinstance(hx, (tuple, list)) or len(given) != 2):
+        if len(shapes) == 1:
+            given, names = [hx], ["hx"]
+        elif isinstance(hx, (tuple, list)) and len(hx) == 2:
+            given, names = list(hx), ["hx[0] (h_0)", "hx[1] (c_0)"]
+        else:
             raise TypeError(f"hx: expected a tuple (h_0, c_0) or None, got {type(hx).__name__}")
-        names = ["hx[0] (h_0)", "hx[1] (c_0)"] if len(shapes) == 2 else ["hx"]
         states = []
         for state, shape, name in zip(given, shapes, names, strict=True):
             if not isinstance(state, mx.array):
