@@ -30,7 +30,8 @@ class BagLayout:
     bag_order: np.ndarray  # (B,) the bags in the order they come out: bucket by bucket, then empty bags
 
 
-def _offsets_array(offsets, input_size: int) -> np.ndarray:
+def checked_offsets(offsets, input_size: int) -> np.ndarray:
+    """``offsets`` as int64 NumPy, after checking torch's rules (starts at 0, non-decreasing, within input)."""
     offsets = np.asarray(as_index_array(offsets, "offsets")).astype(np.int64)
     if offsets.ndim != 1:
         raise ValueError(f"offsets: expected a 1-D array, got shape {offsets.shape}")
@@ -80,7 +81,7 @@ def flatten_bags(input, offsets, per_sample_weights, include_last_offset: bool):
 def bag_layout(indices: mx.array, offsets, include_last_offset: bool, padding_idx: int | None) -> BagLayout:
     """Check ``offsets`` against the flat ``indices`` and group the bags into buckets."""
     total = indices.size
-    offsets = _offsets_array(offsets, total)
+    offsets = checked_offsets(offsets, total)
     starts = offsets[:-1] if include_last_offset else offsets
     ends = offsets[1:] if include_last_offset else np.append(offsets[1:], total)
     num_bags = starts.size

@@ -1,7 +1,9 @@
 """Functional forms of seqlib's layers, with PyTorch's signatures.
 
 Like ``torch.nn.functional``, these take the weights as arguments and hold no
-state.  The modules in :mod:`seqlib.nn` call them.
+state.  The modules in :mod:`seqlib.nn` call them.  Where the backend is
+"metal" (see :mod:`seqlib.kernels`) the lookups, bags and renormalisation run
+in seqlib's Metal kernels; elsewhere in the MLX ops below.
 """
 
 from __future__ import annotations
@@ -11,7 +13,8 @@ import math
 import mlx.core as mx
 import numpy as np
 
-from seqlib._bags import bag_layout, flatten_bags
+from seqlib import kernels
+from seqlib._bags import bag_layout, checked_offsets, flatten_bags
 from seqlib._checks import (
     as_index_array,
     check_index_range,
@@ -51,8 +54,11 @@ def embedding_renorm(weight: mx.array, input: mx.array, max_norm: float, norm_ty
     unique_rows = mx.array(np.unique(np.asarray(indices).reshape(-1)).astype(np.int32))
     if unique_rows.size == 0:
         return weight
-    norms = _row_norms(weight[unique_rows], norm_type)  # (n,)
-    scale = mx.where(norms > max_norm, max_norm / (norms + 1e-7), 1.0)
+    if kernels.backend() == "metal":
+        scale = kernels.embedding_renorm_scales(weight, unique_rows, max_norm, norm_type)
+    else:
+        norms = _row_norms(weight[unique_rows], norm_type)  # (n,)
+        scale = mx.where(norms > max_norm, max_norm / (norms + 1e-7), 1.0)
     return weight.at[unique_rows].multiply(scale[:, None].astype(weight.dtype))
 
 
@@ -128,6 +134,9 @@ def embedding(
 
     if max_norm is not None:
         weight = renorm_for_lookup(weight, indices, max_norm, norm_type)
+    if kernels.backend() == "metal":
+        grad_scale = _inverse_frequency(indices).reshape(-1) if scale_grad_by_freq else None
+        return kernels.embedding(weight, indices, padding_idx, grad_scale)
     rows = mx.take(weight, indices, axis=0)  # (*, D)
     if padding_idx is None and not scale_grad_by_freq:
         return rows
@@ -266,6 +275,12 @@ def embedding_bag(
     padding_idx = normalize_padding_idx(padding_idx, num_embeddings)
     check_max_norm(max_norm, norm_type)
     _check_per_sample_weights(flat_weights, indices, mode)
+    if kernels.backend() == "metal" and not scale_grad_by_freq:
+        offsets = checked_offsets(offsets, indices.size)
+        ends = offsets if include_last_offset else np.append(offsets, indices.size)
+        if max_norm is not None:
+            weight = renorm_for_lookup(weight, indices, max_norm, norm_type)
+        return kernels.embedding_bag(weight, indices, mx.array(ends), mode, flat_weights, padding_idx)
     layout = bag_layout(indices, offsets, include_last_offset, padding_idx)
 
     if max_norm is not None:

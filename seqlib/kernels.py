@@ -1,23 +1,74 @@
-"""Where seqlib's Metal kernel sources live, and how to read them.
+"""seqlib's Metal kernels: their sources, the backend switch, checked launches and gradients.
 
-The kernels are plain ``.metal`` files: the *bodies* that
-``mx.fast.metal_kernel`` wraps in a generated signature.  In a source checkout
-they sit in the top-level ``metal_kernels/`` folder, next to the chapters that
-discuss them; an installed wheel ships the same files as package data in
-``seqlib/metal_kernels/``.
+The kernels are plain ``.metal`` files: the *bodies* that ``mx.fast.metal_kernel``
+wraps in a generated signature, plus one shared header (``seqlib_math.h``).  In a
+source checkout they sit in the top-level ``metal_kernels/`` folder; an installed
+wheel ships them as package data in ``seqlib/metal_kernels/``.
+
+Backends.  On a Mac with Metal, seqlib's modules run these kernels; elsewhere
+they run the MLX-ops path (``seqlib.recurrent``, ``seqlib.functional``), which
+gives the same numbers within float32 rounding (the kernels use the precise
+tanh, the ops path a rational tanh good to 4e-7; atomic scatter-adds sum in a
+different order).  To force either path::
+
+    SEQLIB_BACKEND=ops python train.py         # or metal, or auto (the default)
+
+    with seqlib.kernels.use_backend("ops"):    # inside one block
+        ...
+
+Every launch below checks shapes, dtypes and index ranges first, so a bad
+argument raises a ValueError/TypeError/IndexError here rather than reading
+outside a buffer on the GPU.  The differentiable wrappers are
+``mx.custom_function``s whose VJPs launch the backward kernels, so ``mx.grad`` and
+``mlx.nn.value_and_grad`` work through them.
+
+The test suite runs every kernel on Linux through a C++ emulation of Metal that
+it swaps in for ``mx.fast.metal_kernel`` (``tests/metal_emulation``).
 """
 
 from __future__ import annotations
 
+import contextlib
+import functools
+import os
 from pathlib import Path
 
-__all__ = ["kernel_dir", "kernel_names", "kernel_source"]
+import mlx.core as mx
+import numpy as np
+
+from seqlib._checks import check_index_range
+
+__all__ = [
+    "BACKENDS",
+    "backend",
+    "embedding",
+    "embedding_bag",
+    "embedding_bag_sparse_rows",
+    "embedding_renorm_scales",
+    "gru_cell",
+    "gru_cell_backward",
+    "gru_sequence",
+    "kernel_dir",
+    "kernel_header",
+    "kernel_names",
+    "kernel_source",
+    "lstm_cell",
+    "lstm_cell_backward",
+    "lstm_sequence",
+    "metal_available",
+    "rnn_cell",
+    "rnn_cell_backward",
+    "use_backend",
+]
+
+# ----------------------------------------------------------------- sources
 
 _PACKAGE_DIR = Path(__file__).resolve().parent
 _CANDIDATES = (
     _PACKAGE_DIR / "metal_kernels",  # installed wheel (package data)
     _PACKAGE_DIR.parent / "metal_kernels",  # source checkout / editable install
 )
+HEADER_NAME = "seqlib_math.h"
 
 
 def kernel_dir() -> Path:
@@ -40,3 +91,597 @@ def kernel_source(name: str) -> str:
     if name not in names:
         raise ValueError(f"name: no Metal kernel called {name!r}; available: {', '.join(names)}")
     return (kernel_dir() / f"{name}.metal").read_text()
+
+
+def kernel_header() -> str:
+    """The helpers every kernel is built with (``metal_kernels/seqlib_math.h``)."""
+    return (kernel_dir() / HEADER_NAME).read_text()
+
+
+# ----------------------------------------------------------------- backend choice
+
+BACKEND_ENV = "SEQLIB_BACKEND"
+BACKENDS = ("auto", "metal", "ops")
+_override: list[str] = []  # innermost use_backend() last
+
+
+def metal_available() -> bool:
+    """Whether this machine can run Metal kernels (an Apple-silicon Mac)."""
+    return mx.metal.is_available()
+
+
+def _requested() -> str:
+    choice = _override[-1] if _override else os.environ.get(BACKEND_ENV, "auto").strip().lower() or "auto"
+    if choice not in BACKENDS:
+        raise ValueError(f"{BACKEND_ENV}: expected one of {BACKENDS}, got {choice!r}")
+    return choice
+
+
+def backend() -> str:
+    """``"metal"`` or ``"ops"``: the path seqlib's modules take now."""
+    choice = _requested()
+    if choice == "auto":
+        return "metal" if metal_available() else "ops"
+    if choice == "metal" and not metal_available():
+        raise RuntimeError(
+            f"backend 'metal' was requested ({BACKEND_ENV} or use_backend), but Metal is not available "
+            "on this machine; use 'ops' or 'auto'"
+        )
+    return choice
+
+
+@contextlib.contextmanager
+def use_backend(name: str):
+    """Run the block with seqlib's modules on ``"metal"``, ``"ops"`` or ``"auto"``."""
+    if name not in BACKENDS:
+        raise ValueError(f"name: expected one of {BACKENDS}, got {name!r}")
+    _override.append(name)
+    try:
+        backend()  # fail now, not at the first launch, if Metal was asked for and is missing
+        yield
+    finally:
+        _override.pop()
+
+
+# ----------------------------------------------------------------- building
+
+_factory = None  # None: mx.fast.metal_kernel.  The tests put their Metal emulation here.
+
+
+@functools.cache
+def _build(factory, name: str, inputs: tuple[str, ...], outputs: tuple[str, ...], atomic: bool):
+    return factory(
+        name=name,
+        input_names=list(inputs),
+        output_names=list(outputs),
+        source=kernel_source(name),
+        header=kernel_header(),
+        ensure_row_contiguous=True,
+        atomic_outputs=atomic,
+    )
+
+
+def _kernel(name: str, inputs: tuple[str, ...], outputs: tuple[str, ...], atomic: bool = False):
+    factory = _factory if _factory is not None else mx.fast.metal_kernel
+    return _build(factory, name, inputs, outputs, atomic)
+
+
+def _elementwise_launch(rows: int, columns: int) -> dict:
+    """Grid for one thread per (row, column) element: x runs along a row, so loads coalesce."""
+    return {"grid": (columns, rows, 1), "threadgroup": (64, 4, 1)}
+
+
+def _scalar(value: int) -> mx.array:
+    return mx.array(value, dtype=mx.int32)
+
+
+# ----------------------------------------------------------------- checks
+
+FLOAT_DTYPES = (mx.float32, mx.float16, mx.bfloat16)
+
+
+def _check_float(name: str, array, ndim: int | None = None, dtype=None) -> None:
+    if not isinstance(array, mx.array):
+        raise TypeError(f"{name}: expected an mlx.core.array, got {type(array).__name__}")
+    if array.dtype not in FLOAT_DTYPES:
+        raise TypeError(f"{name}: expected float32, float16 or bfloat16, got {array.dtype}")
+    if dtype is not None and array.dtype != dtype:
+        raise TypeError(f"{name}: expected dtype {dtype} (that of the other inputs), got {array.dtype}")
+    if ndim is not None and array.ndim != ndim:
+        raise ValueError(f"{name}: expected a {ndim}-D array, got shape {tuple(array.shape)}")
+
+
+def _check_shape(name: str, array: mx.array, shape: tuple[int, ...], dtype=None) -> None:
+    _check_float(name, array, len(shape), dtype)
+    if tuple(array.shape) != tuple(shape):
+        raise ValueError(f"{name}: expected shape {tuple(shape)}, got {tuple(array.shape)}")
+
+
+def _check_rows(name: str, array: mx.array, width_name: str) -> tuple[int, int]:
+    _check_float(name, array, 2)
+    rows, width = array.shape
+    if rows == 0 or width == 0:
+        raise ValueError(f"{name}: expected a non-empty (rows, {width_name}) array, got shape {tuple(array.shape)}")
+    return rows, width
+
+
+# ----------------------------------------------------------------- recurrent cells
+
+
+def lstm_cell(gates: mx.array, c_prev: mx.array):
+    """lstm_cell.metal: ``h, c, activations, tanh_c`` from gates (B, 4H) and c_prev (B, H).
+
+    Same contract as :func:`seqlib.recurrent.lstm_pointwise`.
+    """
+    batch, hidden_size = _check_rows("c_prev", c_prev, "hidden_size")
+    _check_shape("gates", gates, (batch, 4 * hidden_size), c_prev.dtype)
+    kernel = _kernel("lstm_cell", ("gates", "c_prev"), ("h", "c", "activations", "tanh_c"))
+    dtype = c_prev.dtype
+    return tuple(
+        kernel(
+            inputs=[gates, c_prev],
+            template=[("T", dtype)],
+            output_shapes=[c_prev.shape, c_prev.shape, gates.shape, c_prev.shape],
+            output_dtypes=[dtype] * 4,
+            **_elementwise_launch(batch, hidden_size),
+        )
+    )
+
+
+def lstm_cell_backward(d_h, d_c, activations, tanh_c, c_prev):
+    """lstm_cell_backward.metal: ``d_gates (B, 4H), d_c_prev (B, H)``
+    (contract of :func:`seqlib.recurrent.lstm_pointwise_backward`)."""
+    batch, hidden_size = _check_rows("c_prev", c_prev, "hidden_size")
+    dtype = c_prev.dtype
+    for name, array in (("d_h", d_h), ("d_c", d_c), ("tanh_c", tanh_c)):
+        _check_shape(name, array, c_prev.shape, dtype)
+    _check_shape("activations", activations, (batch, 4 * hidden_size), dtype)
+    kernel = _kernel(
+        "lstm_cell_backward", ("d_h", "d_c", "activations", "tanh_c", "c_prev"), ("d_gates", "d_c_prev")
+    )
+    return tuple(
+        kernel(
+            inputs=[d_h, d_c, activations, tanh_c, c_prev],
+            template=[("T", dtype)],
+            output_shapes=[activations.shape, c_prev.shape],
+            output_dtypes=[dtype, dtype],
+            **_elementwise_launch(batch, hidden_size),
+        )
+    )
+
+
+def gru_cell(input_side: mx.array, hidden_side: mx.array, h_prev: mx.array):
+    """gru_cell.metal: ``h (B, H), activations (B, 3H)`` (contract of :func:`seqlib.recurrent.gru_pointwise`)."""
+    batch, hidden_size = _check_rows("h_prev", h_prev, "hidden_size")
+    dtype = h_prev.dtype
+    _check_shape("input_side", input_side, (batch, 3 * hidden_size), dtype)
+    _check_shape("hidden_side", hidden_side, (batch, 3 * hidden_size), dtype)
+    kernel = _kernel("gru_cell", ("input_side", "hidden_side", "h_prev"), ("h", "activations"))
+    return tuple(
+        kernel(
+            inputs=[input_side, hidden_side, h_prev],
+            template=[("T", dtype)],
+            output_shapes=[h_prev.shape, input_side.shape],
+            output_dtypes=[dtype, dtype],
+            **_elementwise_launch(batch, hidden_size),
+        )
+    )
+
+
+def gru_cell_backward(d_h, activations, hidden_side, h_prev):
+    """gru_cell_backward.metal: ``d_input_side, d_hidden_side (B, 3H), d_h_prev (B, H)``
+    (contract of :func:`seqlib.recurrent.gru_pointwise_backward`)."""
+    batch, hidden_size = _check_rows("h_prev", h_prev, "hidden_size")
+    dtype = h_prev.dtype
+    _check_shape("d_h", d_h, h_prev.shape, dtype)
+    _check_shape("activations", activations, (batch, 3 * hidden_size), dtype)
+    _check_shape("hidden_side", hidden_side, (batch, 3 * hidden_size), dtype)
+    kernel = _kernel(
+        "gru_cell_backward",
+        ("d_h", "activations", "hidden_side", "h_prev"),
+        ("d_input_side", "d_hidden_side", "d_h_prev"),
+    )
+    return tuple(
+        kernel(
+            inputs=[d_h, activations, hidden_side, h_prev],
+            template=[("T", dtype)],
+            output_shapes=[activations.shape, activations.shape, h_prev.shape],
+            output_dtypes=[dtype] * 3,
+            **_elementwise_launch(batch, hidden_size),
+        )
+    )
+
+
+def _check_nonlinearity(nonlinearity: str) -> None:
+    if nonlinearity not in ("tanh", "relu"):
+        raise ValueError(f"nonlinearity: expected 'tanh' or 'relu', got {nonlinearity!r}")
+
+
+def rnn_cell(pre: mx.array, nonlinearity: str = "tanh") -> mx.array:
+    """rnn_cell.metal: ``tanh(pre)`` or ``relu(pre)`` for pre (B, H)."""
+    _check_nonlinearity(nonlinearity)
+    batch, hidden_size = _check_rows("pre", pre, "hidden_size")
+    kernel = _kernel("rnn_cell", ("pre",), ("h",))
+    return kernel(
+        inputs=[pre],
+        template=[("T", pre.dtype), ("RELU", nonlinearity == "relu")],
+        output_shapes=[pre.shape],
+        output_dtypes=[pre.dtype],
+        **_elementwise_launch(batch, hidden_size),
+    )[0]
+
+
+def rnn_cell_backward(d_h: mx.array, h: mx.array, nonlinearity: str = "tanh") -> mx.array:
+    """rnn_cell_backward.metal: the gradient w.r.t. the pre-activation, from rnn_cell's output h."""
+    _check_nonlinearity(nonlinearity)
+    batch, hidden_size = _check_rows("h", h, "hidden_size")
+    _check_shape("d_h", d_h, h.shape, h.dtype)
+    kernel = _kernel("rnn_cell_backward", ("d_h", "h"), ("d_pre",))
+    return kernel(
+        inputs=[d_h, h],
+        template=[("T", h.dtype), ("RELU", nonlinearity == "relu")],
+        output_shapes=[h.shape],
+        output_dtypes=[h.dtype],
+        **_elementwise_launch(batch, hidden_size),
+    )[0]
+
+
+# ----------------------------------------------------------------- whole-sequence kernels
+
+SEQUENCE_KERNEL_MAX_HIDDEN = 1024  # the threadgroup arrays hold 1024 floats per state vector
+SEQUENCE_KERNEL_MAX_BATCH = 8  # above this, one matmul per step beats re-reading W_hh per sequence
+SEQUENCE_THREADS = 256  # 8 SIMD groups per sequence
+LSTM_SEQUENCE_VERSIONS = {"simd": "lstm_sequence", "simple": "lstm_sequence_simple"}
+
+
+def _packed_steps(batch_sizes, total_rows: int, batch: int) -> tuple[mx.array, mx.array]:
+    """(step_offsets, batch_sizes) as int32 arrays, after checking they describe ``total_rows`` packed rows."""
+    sizes = np.asarray([int(size) for size in batch_sizes], dtype=np.int64)
+    if sizes.ndim != 1 or sizes.size == 0:
+        raise ValueError(f"batch_sizes: expected a non-empty 1-D sequence, got {sizes.shape}")
+    if sizes[0] != batch or np.any(sizes < 1) or np.any(np.diff(sizes) > 0):
+        raise ValueError(
+            f"batch_sizes: expected non-increasing positive sizes starting at the batch size {batch}, "
+            f"got {sizes.tolist()}"
+        )
+    if int(sizes.sum()) != total_rows:
+        raise ValueError(f"batch_sizes: they add up to {int(sizes.sum())} rows, but x_gates has {total_rows}")
+    offsets = np.concatenate([[0], np.cumsum(sizes)[:-1]])
+    return mx.array(offsets.astype(np.int32)), mx.array(sizes.astype(np.int32))
+
+
+def _check_sequence(x_gates, w_hh, h0, gate_blocks: int):
+    batch, hidden_size = _check_rows("h0", h0, "hidden_size")
+    dtype = h0.dtype
+    if hidden_size > SEQUENCE_KERNEL_MAX_HIDDEN:
+        raise ValueError(
+            f"h0: the whole-sequence kernel serves hidden_size <= {SEQUENCE_KERNEL_MAX_HIDDEN} "
+            f"(its state lives in 32 KB of threadgroup memory), got {hidden_size}"
+        )
+    _check_float("x_gates", x_gates, 2, dtype)
+    if x_gates.shape[1] != gate_blocks * hidden_size:
+        raise ValueError(
+            f"x_gates: expected shape (N, {gate_blocks * hidden_size}), got {tuple(x_gates.shape)}"
+        )
+    _check_shape("w_hh", w_hh, (gate_blocks * hidden_size, hidden_size), dtype)
+    return batch, hidden_size, dtype
+
+
+def _sequence_launch(batch: int) -> dict:
+    return {"grid": (SEQUENCE_THREADS, batch, 1), "threadgroup": (SEQUENCE_THREADS, 1, 1)}
+
+
+def lstm_sequence(x_gates, w_hh, h0, c0, batch_sizes, reverse: bool = False, version: str = "simd"):
+    """lstm_sequence.metal: one LSTM layer-direction over packed rows, in one dispatch.
+
+    x_gates (N, 4H) = x W_ih^T + b_ih + b_hh; w_hh (4H, H); h0, c0 (B, H);
+    batch_sizes: rows per step (a PackedSequence's).  Returns
+    ``output (N, H), h_n, c_n (B, H), activations (N, 4H), tanh_c, c_prev, h_prev (N, H)``:
+    the last four are what :func:`seqlib.recurrent.lstm_sequence`'s backward needs.
+    ``version``: ``"simd"`` (one SIMD group per unit) or ``"simple"`` (one thread per unit).
+    """
+    if version not in LSTM_SEQUENCE_VERSIONS:
+        raise ValueError(f"version: expected one of {list(LSTM_SEQUENCE_VERSIONS)}, got {version!r}")
+    batch, hidden_size, dtype = _check_sequence(x_gates, w_hh, h0, 4)
+    _check_shape("c0", c0, h0.shape, dtype)
+    step_offsets, sizes = _packed_steps(batch_sizes, x_gates.shape[0], batch)
+    kernel = _kernel(
+        LSTM_SEQUENCE_VERSIONS[version],
+        ("x_gates", "w_hh", "h0", "c0", "step_offsets", "batch_sizes"),
+        ("output", "h_n", "c_n", "activations", "tanh_c", "c_prev", "h_prev"),
+    )
+    rows = (x_gates.shape[0], hidden_size)
+    return tuple(
+        kernel(
+            inputs=[x_gates, w_hh, h0, c0, step_offsets, sizes],
+            template=[("T", dtype), ("REVERSE", bool(reverse))],
+            output_shapes=[rows, h0.shape, h0.shape, x_gates.shape, rows, rows, rows],
+            output_dtypes=[dtype] * 7,
+            **_sequence_launch(batch),
+        )
+    )
+
+
+def gru_sequence(x_gates, w_hh, b_hh, h0, batch_sizes, reverse: bool = False):
+    """gru_sequence.metal: one GRU layer-direction over packed rows, in one dispatch.
+
+    x_gates (N, 3H) = x W_ih^T + b_ih; w_hh (3H, H); b_hh (3H,); h0 (B, H).  Returns
+    ``output (N, H), h_n (B, H), activations (N, 3H), hidden_side (N, 3H), h_prev (N, H)``.
+    """
+    batch, hidden_size, dtype = _check_sequence(x_gates, w_hh, h0, 3)
+    _check_shape("b_hh", b_hh, (3 * hidden_size,), dtype)
+    step_offsets, sizes = _packed_steps(batch_sizes, x_gates.shape[0], batch)
+    kernel = _kernel(
+        "gru_sequence",
+        ("x_gates", "w_hh", "b_hh", "h0", "step_offsets", "batch_sizes"),
+        ("output", "h_n", "activations", "hidden_side", "h_prev"),
+    )
+    rows = (x_gates.shape[0], hidden_size)
+    return tuple(
+        kernel(
+            inputs=[x_gates, w_hh, b_hh, h0, step_offsets, sizes],
+            template=[("T", dtype), ("REVERSE", bool(reverse))],
+            output_shapes=[rows, h0.shape, x_gates.shape, x_gates.shape, rows],
+            output_dtypes=[dtype] * 5,
+            **_sequence_launch(batch),
+        )
+    )
+
+
+def sequence_kernel_serves(batch: int, hidden_size: int) -> bool:
+    """Whether the recurrent layers use the whole-sequence kernels for this shape (else one kernel per step)."""
+    return batch <= SEQUENCE_KERNEL_MAX_BATCH and hidden_size <= SEQUENCE_KERNEL_MAX_HIDDEN
+
+
+# ----------------------------------------------------------------- embeddings
+
+
+def _check_table(weight) -> tuple[int, int]:
+    _check_float("weight", weight, 2)
+    return weight.shape
+
+
+def _int32_indices(name: str, indices, num_embeddings: int) -> mx.array:
+    if not isinstance(indices, mx.array) or not mx.issubdtype(indices.dtype, mx.integer):
+        given = getattr(indices, "dtype", type(indices).__name__)
+        raise TypeError(f"{name}: expected an mlx.core.array of integers, got {given}")
+    check_index_range(indices, num_embeddings, name)
+    return indices.reshape(-1).astype(mx.int32)
+
+
+def _padding(padding_idx: int | None) -> mx.array:
+    return _scalar(-1 if padding_idx is None else int(padding_idx))
+
+
+def _embedding_backward(d_out, flat_indices, num_embeddings, padding_idx, grad_scale):
+    """embedding_backward.metal: scatter-add of (N, D) row gradients into a (V, D) float32 table."""
+    num_lookups, embedding_dim = d_out.shape
+    scaled = grad_scale is not None
+    kernel = _kernel("embedding_backward", ("d_out", "indices", "grad_scale", "padding_idx"), ("d_weight",), True)
+    return kernel(
+        inputs=[d_out, flat_indices, grad_scale if scaled else mx.ones((1,)), _padding(padding_idx)],
+        template=[("T", d_out.dtype), ("SCALED", scaled)],
+        output_shapes=[(num_embeddings, embedding_dim)],
+        output_dtypes=[mx.float32],
+        init_value=0,
+        **_elementwise_launch(num_lookups, embedding_dim),
+    )[0]
+
+
+def embedding(weight: mx.array, indices: mx.array, padding_idx: int | None = None, grad_scale=None) -> mx.array:
+    """Differentiable lookup through embedding_gather.metal, gradient by embedding_backward.metal.
+
+    indices: any shape, values in [0, V); padding_idx: a row in [0, V) that gets
+    no gradient, or None; grad_scale: (N,) float32 factor per lookup, or None.
+    Returns (*indices.shape, D).
+    """
+    num_embeddings, embedding_dim = _check_table(weight)
+    shape = tuple(indices.shape)
+    flat = _int32_indices("indices", indices, num_embeddings)
+    if padding_idx is not None and not 0 <= padding_idx < num_embeddings:
+        raise ValueError(f"padding_idx: expected a row in [0, {num_embeddings}) or None, got {padding_idx}")
+    if grad_scale is not None and tuple(grad_scale.shape) != (flat.size,):
+        raise ValueError(f"grad_scale: expected shape ({flat.size},), got {tuple(grad_scale.shape)}")
+    if flat.size == 0:
+        return mx.zeros((*shape, embedding_dim), weight.dtype)
+    gather = _kernel("embedding_gather", ("weight", "indices"), ("out",))
+
+    @mx.custom_function
+    def lookup(table):
+        return gather(
+            inputs=[table, flat],
+            output_shapes=[(flat.size, embedding_dim)],
+            output_dtypes=[table.dtype],
+            **_elementwise_launch(flat.size, embedding_dim),
+        )[0]
+
+    @lookup.vjp
+    def lookup_vjp(table, cotangent, output):
+        d_weight = _embedding_backward(cotangent, flat, num_embeddings, padding_idx, grad_scale)
+        return d_weight.astype(table.dtype)
+
+    return lookup(weight).reshape(*shape, embedding_dim)
+
+
+_NORM_CODES = {1.0: 1, 2.0: 2}
+
+
+def embedding_renorm_scales(weight: mx.array, rows: mx.array, max_norm: float, norm_type: float = 2.0) -> mx.array:
+    """embedding_renorm.metal: for each of ``rows`` (U,) the factor that brings it inside ``max_norm``.
+
+    Returns (U,) float32: ``max_norm / (norm + 1e-7)`` where the row's ``norm_type``-norm
+    exceeds ``max_norm``, else 1.
+    """
+    num_embeddings, embedding_dim = _check_table(weight)
+    flat_rows = _int32_indices("rows", rows, num_embeddings)
+    if not (isinstance(max_norm, (int, float)) and max_norm > 0):
+        raise ValueError(f"max_norm: expected a positive number, got {max_norm!r}")
+    if not (isinstance(norm_type, (int, float)) and norm_type > 0):
+        raise ValueError(f"norm_type: expected a positive number (inf allowed), got {norm_type!r}")
+    if flat_rows.size == 0:
+        return mx.zeros((0,), mx.float32)
+    norm_code = 0 if np.isinf(norm_type) else _NORM_CODES.get(float(norm_type), 3)
+    threads = min(1024, -(-embedding_dim // 32) * 32)
+    kernel = _kernel("embedding_renorm", ("weight", "rows", "max_norm", "norm_type"), ("scale",))
+    return kernel(
+        inputs=[weight, flat_rows, mx.array(float(max_norm)), mx.array(float(norm_type) if norm_code == 3 else 2.0)],
+        template=[("T", weight.dtype), ("NORM", norm_code)],
+        output_shapes=[(flat_rows.size,)],
+        output_dtypes=[mx.float32],
+        grid=(threads, flat_rows.size, 1),
+        threadgroup=(threads, 1, 1),
+    )[0]
+
+
+BAG_MODES = {"sum": 0, "mean": 1, "max": 2}
+_BAG_INPUTS = ("d_out", "indices", "bag_of_entry", "bag_size", "per_sample_weights", "max_entry", "padding_idx")
+
+
+def _bag_arrays(indices: mx.array, offsets: mx.array, num_embeddings: int, padding_idx):
+    """Checked int32 indices (N,), bag ends (B + 1,), each entry's bag (N,) and each bag's size (B,)."""
+    flat = _int32_indices("indices", indices, num_embeddings)
+    ends = np.asarray(offsets).astype(np.int64).reshape(-1)
+    if ends.size < 1 or ends[0] != 0 or np.any(np.diff(ends) < 0) or ends[-1] > flat.size:
+        raise ValueError(
+            f"offsets: expected B + 1 non-decreasing values from 0 to at most len(indices)={flat.size}, "
+            f"got {ends.tolist()[:8]}{'...' if ends.size > 8 else ''}"
+        )
+    bag_of_entry = np.full(flat.size, -1, np.int32)
+    bag_of_entry[: ends[-1]] = np.repeat(np.arange(ends.size - 1), np.diff(ends))
+    counted = bag_of_entry >= 0
+    if padding_idx is not None:
+        counted &= np.asarray(flat) != padding_idx
+    bag_size = np.bincount(bag_of_entry[counted], minlength=ends.size - 1).astype(np.int32)
+    return flat, mx.array(ends.astype(np.int32)), mx.array(bag_of_entry), mx.array(bag_size)
+
+
+def embedding_bag(
+    weight: mx.array,
+    indices: mx.array,
+    offsets: mx.array,
+    mode: str = "mean",
+    per_sample_weights: mx.array | None = None,
+    padding_idx: int | None = None,
+) -> mx.array:
+    """Differentiable bags through embedding_bag.metal; gradients by the backward kernels.
+
+    indices (N,) in [0, V); offsets (B + 1,): bag b holds ``indices[offsets[b]:offsets[b + 1]]``
+    (the CSR form with the end included); per_sample_weights (N,) in mode "sum" only.
+    Returns (B, D).  ``mx.grad`` reaches ``weight`` (embedding_bag_backward.metal) and
+    ``per_sample_weights`` (embedding_bag_per_sample_weights_backward.metal).
+    """
+    num_embeddings, embedding_dim = _check_table(weight)
+    if mode not in BAG_MODES:
+        raise ValueError(f"mode: expected one of {tuple(BAG_MODES)}, got {mode!r}")
+    flat, ends, bag_of_entry, bag_size = _bag_arrays(indices, offsets, num_embeddings, padding_idx)
+    num_bags = ends.size - 1
+    weighted = per_sample_weights is not None
+    if weighted:
+        if mode != "sum":
+            raise ValueError(f"per_sample_weights: only supported with mode='sum', got mode={mode!r}")
+        _check_shape("per_sample_weights", per_sample_weights, (flat.size,))
+    if flat.size == 0 or num_bags == 0:
+        return mx.zeros((num_bags, embedding_dim), weight.dtype)
+    mode_code = BAG_MODES[mode]
+    padding = _padding(padding_idx)
+    forward_kernel = _kernel(
+        "embedding_bag", ("weight", "indices", "offsets", "per_sample_weights", "padding_idx"), ("out", "max_entry")
+    )
+
+    def launch_forward(table, sample_weights):
+        return forward_kernel(
+            inputs=[table, flat, ends, sample_weights, padding],
+            template=[("T", table.dtype), ("MODE", mode_code), ("WEIGHTED", weighted)],
+            output_shapes=[(num_bags, embedding_dim), (num_bags, embedding_dim)],
+            output_dtypes=[table.dtype, mx.int32],
+            **_elementwise_launch(num_bags, embedding_dim),
+        )
+
+    @mx.custom_function
+    def bag(table, sample_weights):
+        return tuple(launch_forward(table, sample_weights))
+
+    @bag.vjp
+    def bag_vjp(primals, cotangents, outputs):
+        table, sample_weights = primals
+        d_out, max_entry = cotangents[0], outputs[1]
+        backward = _kernel("embedding_bag_backward", _BAG_INPUTS, ("d_weight",), True)
+        items = num_bags if mode == "max" else flat.size
+        d_weight = backward(
+            inputs=[d_out, flat, bag_of_entry, bag_size, sample_weights, max_entry, padding],
+            template=[("T", d_out.dtype), ("MODE", mode_code), ("WEIGHTED", weighted)],
+            output_shapes=[table.shape],
+            output_dtypes=[mx.float32],
+            init_value=0,
+            **_elementwise_launch(items, embedding_dim),
+        )[0].astype(table.dtype)
+        if not weighted:
+            return d_weight, mx.zeros_like(sample_weights)
+        weights_kernel = _kernel(
+            "embedding_bag_per_sample_weights_backward",
+            ("d_out", "weight", "indices", "bag_of_entry", "padding_idx"),
+            ("d_per_sample_weights",),
+        )
+        d_sample_weights = weights_kernel(
+            inputs=[d_out, table, flat, bag_of_entry, padding],
+            template=[("T", sample_weights.dtype)],
+            output_shapes=[(flat.size,)],
+            output_dtypes=[sample_weights.dtype],
+            grid=(32, flat.size, 1),
+            threadgroup=(32, 8, 1),
+        )[0]
+        return d_weight, d_sample_weights
+
+    sample_weights = per_sample_weights if weighted else mx.ones((1,), weight.dtype)
+    return bag(weight, sample_weights)[0]
+
+
+def embedding_bag_sparse_rows(
+    d_out: mx.array,
+    weight: mx.array,
+    indices: mx.array,
+    offsets: mx.array,
+    mode: str = "mean",
+    per_sample_weights: mx.array | None = None,
+    padding_idx: int | None = None,
+) -> mx.array:
+    """embedding_bag_sparse_backward.metal: the table gradient as one (N, D) row per entry.
+
+    Row n is what entry n sends to ``weight[indices[n]]`` (torch's uncoalesced sparse
+    gradient: adding rows with equal indices gives the dense gradient's rows).
+    """
+    num_embeddings, embedding_dim = _check_table(weight)
+    if mode not in BAG_MODES:
+        raise ValueError(f"mode: expected one of {tuple(BAG_MODES)}, got {mode!r}")
+    flat, ends, bag_of_entry, bag_size = _bag_arrays(indices, offsets, num_embeddings, padding_idx)
+    _check_shape("d_out", d_out, (ends.size - 1, embedding_dim))
+    weighted = per_sample_weights is not None
+    if flat.size == 0:
+        return mx.zeros((0, embedding_dim), d_out.dtype)
+    max_entry = mx.full((1,), -1, mx.int32)
+    if mode == "max":
+        max_entry = embedding_bag_max_entries(weight, flat, ends, padding_idx)
+    sample_weights = per_sample_weights if weighted else mx.ones((1,), d_out.dtype)
+    kernel = _kernel("embedding_bag_sparse_backward", _BAG_INPUTS, ("d_rows",))
+    return kernel(
+        inputs=[d_out, flat, bag_of_entry, bag_size, sample_weights, max_entry, _padding(padding_idx)],
+        template=[("T", d_out.dtype), ("MODE", BAG_MODES[mode]), ("WEIGHTED", weighted)],
+        output_shapes=[(flat.size, embedding_dim)],
+        output_dtypes=[d_out.dtype],
+        **_elementwise_launch(flat.size, embedding_dim),
+    )[0]
+
+
+def embedding_bag_max_entries(weight, flat_indices, ends, padding_idx) -> mx.array:
+    """The (B, D) winning entry of every max-bag column (the second output of embedding_bag.metal)."""
+    num_bags, embedding_dim = ends.size - 1, weight.shape[1]
+    kernel = _kernel(
+        "embedding_bag", ("weight", "indices", "offsets", "per_sample_weights", "padding_idx"), ("out", "max_entry")
+    )
+    return kernel(
+        inputs=[weight, flat_indices, ends, mx.ones((1,), weight.dtype), _padding(padding_idx)],
+        template=[("T", weight.dtype), ("MODE", 2), ("WEIGHTED", False)],
+        output_shapes=[(num_bags, embedding_dim), (num_bags, embedding_dim)],
+        output_dtypes=[weight.dtype, mx.int32],
+        **_elementwise_launch(num_bags, embedding_dim),
+    )[1]

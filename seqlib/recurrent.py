@@ -23,6 +23,12 @@ t only the first ``batch_sizes[t]`` rows of the state are updated; the rest
 keep their value, so the final state holds each sequence's own last step (its
 first step, going in reverse).  No work is spent on padding.
 
+On a Mac the gate math runs in seqlib's fused Metal kernels instead (one launch
+per step, see :mod:`seqlib.kernels`), and for small batches a whole layer runs
+in one launch (``lstm_sequence.metal``, ``gru_sequence.metal``); the backward
+is the same loop with the backward kernels.  ``SEQLIB_BACKEND=ops`` forces
+this file's MLX-ops path everywhere.
+
 Shapes: N rows in all, B = batch_sizes[0] sequences, H hidden units, P the
 size of h (P = H, or ``proj_size`` for a projected LSTM), G gate blocks.
 """
@@ -35,6 +41,7 @@ import shutil
 
 import mlx.core as mx
 
+from seqlib import kernels
 from seqlib.activations import fast_tanh
 
 __all__ = ["gru_pointwise", "gru_sequence", "lstm_pointwise", "lstm_sequence", "rnn_sequence"]
@@ -105,18 +112,44 @@ def _lstm_pointwise(tanh, gates, c_prev, scale, shift):
 _lstm_pointwise_compiled = _compile(functools.partial(_lstm_pointwise, fast_tanh))
 
 
+def _gate_path(x: mx.array) -> str:
+    """Where a step's gate math runs: "metal" (seqlib's kernels), "compiled" or "eager" (MLX ops)."""
+    if kernels.backend() == "metal":
+        return "metal"
+    return "compiled" if _compiles_here(x) else "eager"
+
+
+def _path(compiled: bool | None, x: mx.array) -> str:
+    if compiled is None:
+        return _gate_path(x)
+    return "compiled" if compiled else "eager"
+
+
 def lstm_pointwise(gates: mx.array, c_prev: mx.array, compiled: bool | None = None):
     """The LSTM's gate math for one step.
 
     gates: (B, 4H) pre-activations in the order i, f, g, o; c_prev: (B, H).
     Returns ``h (B, H), c (B, H), activations (B, 4H), tanh_c (B, H)``;
-    the last two are what the backward needs.  ``compiled``: which build to run
-    (None: ask :func:`_compiles_here`; the sequence loops ask once per sequence).
+    the last two are what the backward needs.  ``compiled``: which MLX-ops build to
+    run (None: the Metal kernel where the backend is "metal", else ask
+    :func:`_compiles_here`; the sequence loops decide once per sequence).
     """
+    return _lstm_pointwise_on(_path(compiled, gates), gates, c_prev)
+
+
+def _lstm_pointwise_on(path: str, gates, c_prev):
+    if path == "metal":
+        return kernels.lstm_cell(gates, c_prev)
     scale, shift = _lstm_activation_constants(c_prev.shape[-1], gates.dtype)
-    if _compiles_here(gates) if compiled is None else compiled:
+    if path == "compiled":
         return _lstm_pointwise_compiled(gates, c_prev, scale, shift)
     return _lstm_pointwise(mx.tanh, gates, c_prev, scale, shift)
+
+
+def _lstm_backward_on(path: str, d_h, d_c, activations, tanh_c, c_prev):
+    if path == "metal":
+        return kernels.lstm_cell_backward(d_h, d_c, activations, tanh_c, c_prev)
+    return lstm_pointwise_backward(d_h, d_c, activations, tanh_c, c_prev)
 
 
 @_compile
@@ -152,9 +185,21 @@ def gru_pointwise(input_side: mx.array, hidden_side: mx.array, h_prev: mx.array,
     Returns ``h (B, H), activations (B, 3H)`` with activations r, z, n; ``compiled`` as in
     :func:`lstm_pointwise`.
     """
-    if _compiles_here(input_side) if compiled is None else compiled:
+    return _gru_pointwise_on(_path(compiled, input_side), input_side, hidden_side, h_prev)
+
+
+def _gru_pointwise_on(path: str, input_side, hidden_side, h_prev):
+    if path == "metal":
+        return kernels.gru_cell(input_side, hidden_side, h_prev)
+    if path == "compiled":
         return _gru_pointwise_compiled(input_side, hidden_side, h_prev)
     return _gru_pointwise(mx.tanh, input_side, hidden_side, h_prev)
+
+
+def _gru_backward_on(path: str, d_h, activations, hidden_side, h_prev):
+    if path == "metal":
+        return kernels.gru_cell_backward(d_h, activations, hidden_side, h_prev)
+    return gru_pointwise_backward(d_h, activations, hidden_side, h_prev)
 
 
 @_compile
@@ -173,12 +218,12 @@ def gru_pointwise_backward(d_h, activations, hidden_side, h_prev):
 _fast_tanh_compiled = _compile(fast_tanh)
 
 
-def _tanh(x: mx.array, compiled: bool) -> mx.array:
-    return _fast_tanh_compiled(x) if compiled else mx.tanh(x)
-
-
-def _relu(x: mx.array, compiled: bool) -> mx.array:
-    return mx.maximum(x, 0)
+def _rnn_activation_on(path: str, nonlinearity: str, x: mx.array) -> mx.array:
+    if path == "metal":
+        return kernels.rnn_cell(x, nonlinearity)
+    if nonlinearity == "relu":
+        return mx.maximum(x, 0)
+    return _fast_tanh_compiled(x) if path == "compiled" else mx.tanh(x)
 
 
 @_compile
@@ -186,8 +231,10 @@ def _tanh_backward(d_h, h):
     return d_h * (1 - h * h)
 
 
-def _relu_backward(d_h, h):
-    return d_h * (h > 0)
+def _rnn_activation_backward_on(path: str, nonlinearity: str, d_h, h):
+    if path == "metal":
+        return kernels.rnn_cell_backward(d_h, h, nonlinearity)
+    return _tanh_backward(d_h, h) if nonlinearity == "tanh" else d_h * (h > 0)
 
 
 # ----------------------------------------------------------------- the sequence loop
@@ -213,21 +260,40 @@ def _in_time_order(per_step: list) -> mx.array:
     return mx.concatenate(per_step, axis=0) if len(per_step) > 1 else per_step[0]
 
 
+def _by_step(rows: mx.array, steps) -> list[mx.array]:
+    """Packed (N, ...) rows -> one block per time step, in time order (undoes _in_time_order)."""
+    return [rows[first:first + count] for _, first, count in sorted(steps)]
+
+
+def _loop_path(metal: bool, x: mx.array) -> str:
+    """The gate-math path of a whole sequence, decided once."""
+    if metal:
+        return "metal"
+    return "compiled" if _compiles_here(x) else "eager"
+
+
+def _use_whole_sequence_kernel(metal: bool, batch: int, hidden_size: int) -> bool:
+    return metal and kernels.sequence_kernel_serves(batch, hidden_size)
+
+
 @functools.lru_cache(maxsize=512)
-def _lstm_sequence_function(batch_sizes: tuple[int, ...], reverse: bool, projected: bool):
+def _lstm_sequence_function(batch_sizes: tuple[int, ...], reverse: bool, projected: bool, metal: bool):
     steps = _steps(batch_sizes, reverse)
     num_steps = len(steps)
 
     @mx.custom_function
     def forward(x_gates, w_hh, h0, c0, *projection):
         # x_gates (N, 4H); w_hh (4H, P); h0 (B, P); c0 (B, H); projection: (w_hr (P, H),) or ()
+        if not projected and _use_whole_sequence_kernel(metal, *c0.shape):
+            output, h_n, c_n, *saved = kernels.lstm_sequence(x_gates, w_hh, h0, c0, batch_sizes, reverse)
+            return (output, h_n, c_n, *(block for rows in saved for block in _by_step(rows, steps)))
         h, c = h0, c0
-        compiled = _compiles_here(x_gates)
+        path = _loop_path(metal, x_gates)
         outputs, activations, tanh_cs, c_prevs, h_prevs = ([None] * num_steps for _ in range(5))
         for t, first, rows in steps:
             h_prev, c_prev = h[:rows], c[:rows]
             gates = mx.addmm(x_gates[first:first + rows], h_prev, w_hh.T)
-            h_new, c_new, activations[t], tanh_cs[t] = lstm_pointwise(gates, c_prev, compiled)
+            h_new, c_new, activations[t], tanh_cs[t] = _lstm_pointwise_on(path, gates, c_prev)
             if projected:
                 h_new = h_new @ projection[0].T
             outputs[t], c_prevs[t], h_prevs[t] = h_new, c_prev, h_prev
@@ -242,12 +308,13 @@ def _lstm_sequence_function(batch_sizes: tuple[int, ...], reverse: bool, project
         activations, tanh_cs = saved[:num_steps], saved[num_steps:2 * num_steps]
         c_prevs, h_prevs = saved[2 * num_steps:3 * num_steps], saved[3 * num_steps:]
         d_gates_steps, d_outputs_steps = [None] * num_steps, [None] * num_steps
+        path = "metal" if metal else "ops"
         for t, first, rows in reversed(steps):
             d_out = d_outputs[first:first + rows] + d_h[:rows]
             if projected:
                 d_outputs_steps[t] = d_out
                 d_out = d_out @ projection[0]
-            d_gates, d_c_prev = lstm_pointwise_backward(d_out, d_c[:rows], activations[t], tanh_cs[t], c_prevs[t])
+            d_gates, d_c_prev = _lstm_backward_on(path, d_out, d_c[:rows], activations[t], tanh_cs[t], c_prevs[t])
             d_h, d_c = _update(d_h, d_gates @ w_hh), _update(d_c, d_c_prev)
             d_gates_steps[t] = d_gates
         d_x_gates = _in_time_order(d_gates_steps)
@@ -269,27 +336,31 @@ def lstm_sequence(x_gates, w_hh, h0, c0, batch_sizes, reverse=False, w_hr=None):
     h0: (B, P), c0: (B, H); batch_sizes: rows per step; w_hr: (P, H) for a
     projected LSTM (``proj_size = P``), else None.
     """
-    function = _lstm_sequence_function(tuple(int(b) for b in batch_sizes), bool(reverse), w_hr is not None)
+    metal = kernels.backend() == "metal"
+    function = _lstm_sequence_function(tuple(int(b) for b in batch_sizes), bool(reverse), w_hr is not None, metal)
     projection = () if w_hr is None else (w_hr,)
     output, h_n, c_n = function(x_gates, w_hh, h0, c0, *projection)[:3]
     return output, h_n, c_n
 
 
 @functools.lru_cache(maxsize=512)
-def _gru_sequence_function(batch_sizes: tuple[int, ...], reverse: bool):
+def _gru_sequence_function(batch_sizes: tuple[int, ...], reverse: bool, metal: bool):
     steps = _steps(batch_sizes, reverse)
     num_steps = len(steps)
 
     @mx.custom_function
     def forward(x_gates, w_hh, b_hh, h0):
         # x_gates (N, 3H) = x @ W_ih.T + b_ih; w_hh (3H, H); b_hh (3H,); h0 (B, H)
+        if _use_whole_sequence_kernel(metal, *h0.shape):
+            output, h_n, *saved = kernels.gru_sequence(x_gates, w_hh, b_hh, h0, batch_sizes, reverse)
+            return (output, h_n, *(block for rows in saved for block in _by_step(rows, steps)))
         h = h0
-        compiled = _compiles_here(x_gates)
+        path = _loop_path(metal, x_gates)
         outputs, activations, hidden_sides, h_prevs = ([None] * num_steps for _ in range(4))
         for t, first, rows in steps:
             h_prev = h[:rows]
             hidden_side = mx.addmm(b_hh, h_prev, w_hh.T)
-            outputs[t], activations[t] = gru_pointwise(x_gates[first:first + rows], hidden_side, h_prev, compiled)
+            outputs[t], activations[t] = _gru_pointwise_on(path, x_gates[first:first + rows], hidden_side, h_prev)
             hidden_sides[t], h_prevs[t] = hidden_side, h_prev
             h = _update(h, outputs[t])
         return (_in_time_order(outputs), h, *activations, *hidden_sides, *h_prevs)
@@ -301,10 +372,11 @@ def _gru_sequence_function(batch_sizes: tuple[int, ...], reverse: bool):
         saved = outputs[2:]
         activations, hidden_sides, h_prevs = saved[:num_steps], saved[num_steps:2 * num_steps], saved[2 * num_steps:]
         d_input_steps, d_hidden_steps = [None] * num_steps, [None] * num_steps
+        path = "metal" if metal else "ops"
         for t, first, rows in reversed(steps):
             d_out = d_outputs[first:first + rows] + d_h[:rows]
-            d_input_side, d_hidden_side, d_h_direct = gru_pointwise_backward(
-                d_out, activations[t], hidden_sides[t], h_prevs[t]
+            d_input_side, d_hidden_side, d_h_direct = _gru_backward_on(
+                path, d_out, activations[t], hidden_sides[t], h_prevs[t]
             )
             d_h = _update(d_h, mx.addmm(d_h_direct, d_hidden_side, w_hh))
             d_input_steps[t], d_hidden_steps[t] = d_input_side, d_hidden_side
@@ -321,27 +393,26 @@ def gru_sequence(x_gates, w_hh, b_hh, h0, batch_sizes, reverse=False):
     x_gates: (N, 3H) ``x @ W_ih.T + b_ih``; w_hh: (3H, H); b_hh: (3H,) (zeros
     for a layer without bias); h0: (B, H).
     """
-    function = _gru_sequence_function(tuple(int(b) for b in batch_sizes), bool(reverse))
+    function = _gru_sequence_function(tuple(int(b) for b in batch_sizes), bool(reverse), kernels.backend() == "metal")
     output, h_n = function(x_gates, w_hh, b_hh, h0)[:2]
     return output, h_n
 
 
 @functools.lru_cache(maxsize=512)
-def _rnn_sequence_function(batch_sizes: tuple[int, ...], reverse: bool, nonlinearity: str):
+def _rnn_sequence_function(batch_sizes: tuple[int, ...], reverse: bool, nonlinearity: str, metal: bool):
     steps = _steps(batch_sizes, reverse)
     num_steps = len(steps)
-    activation = _tanh if nonlinearity == "tanh" else _relu
-    activation_backward = _tanh_backward if nonlinearity == "tanh" else _relu_backward
 
     @mx.custom_function
     def forward(x_gates, w_hh, h0):
         # x_gates (N, H) = x @ W_ih.T + b_ih + b_hh; w_hh (H, H); h0 (B, H)
         h = h0
-        compiled = _compiles_here(x_gates)
+        path = _loop_path(metal, x_gates)
         outputs, h_prevs = [None] * num_steps, [None] * num_steps
         for t, first, rows in steps:
             h_prevs[t] = h[:rows]
-            outputs[t] = activation(mx.addmm(x_gates[first:first + rows], h_prevs[t], w_hh.T), compiled)
+            pre = mx.addmm(x_gates[first:first + rows], h_prevs[t], w_hh.T)
+            outputs[t] = _rnn_activation_on(path, nonlinearity, pre)
             h = _update(h, outputs[t])
         return (_in_time_order(outputs), h, *h_prevs)
 
@@ -351,9 +422,10 @@ def _rnn_sequence_function(batch_sizes: tuple[int, ...], reverse: bool, nonlinea
         d_outputs, d_h = cotangents[:2]
         output, h_prevs = outputs[0], outputs[2:]
         d_pre_steps = [None] * num_steps
+        path = "metal" if metal else "ops"
         for t, first, rows in reversed(steps):
             d_out = d_outputs[first:first + rows] + d_h[:rows]
-            d_pre_steps[t] = activation_backward(d_out, output[first:first + rows])
+            d_pre_steps[t] = _rnn_activation_backward_on(path, nonlinearity, d_out, output[first:first + rows])
             d_h = _update(d_h, d_pre_steps[t] @ w_hh)
         d_x_gates = _in_time_order(d_pre_steps)
         return d_x_gates, d_x_gates.T @ _in_time_order(list(h_prevs)), d_h
@@ -366,6 +438,7 @@ def rnn_sequence(x_gates, w_hh, h0, batch_sizes, reverse=False, nonlinearity="ta
 
     x_gates: (N, H) ``x @ W_ih.T + b_ih + b_hh``; w_hh: (H, H); h0: (B, H).
     """
-    function = _rnn_sequence_function(tuple(int(b) for b in batch_sizes), bool(reverse), nonlinearity)
+    metal = kernels.backend() == "metal"
+    function = _rnn_sequence_function(tuple(int(b) for b in batch_sizes), bool(reverse), nonlinearity, metal)
     output, h_n = function(x_gates, w_hh, h0)[:2]
     return output, h_n

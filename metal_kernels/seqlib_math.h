@@ -1,0 +1,17 @@
+// seqlib_math.h: helpers shared by seqlib's kernels.
+//
+// Not a kernel: seqlib passes this text as the `header=` of every
+// mx.fast.metal_kernel it builds.  All gate math runs in float32, whatever
+// the storage type T of the arrays (float, half or bfloat).
+
+// 1 / (1 + e^-x).  For x below -88, e^-x is +inf and the result is exactly 0;
+// no input makes it NaN except NaN.
+inline float sigmoid_of(float x) {
+  return 1.0f / (1.0f + metal::exp(-x));
+}
+
+// The precise tanh: the fast-math one loses accuracy near 0 and can
+// overflow to NaN for large |x| on some GPUs.
+inline float tanh_of(float x) {
+  return metal::precise::tanh(x);
+}

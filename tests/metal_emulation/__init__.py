@@ -1,0 +1,31 @@
+"""A Metal emulation owned by the test suite: seqlib's kernels compiled as C++ and run on the CPU.
+
+- :mod:`.codegen`: MLX's exact signature text around a kernel body;
+- :mod:`.runner`: ``metal_kernel``, a drop-in for ``mx.fast.metal_kernel``;
+- :mod:`.lint`: what Metal rejects but g++ would accept;
+- ``include/metal_emulation.h``: the MSL names and the fiber scheduler.
+
+:func:`metal_backend` points seqlib at the emulation, so the modules take
+their Metal path on Linux.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+from seqlib import kernels
+
+from . import runner
+
+
+@contextlib.contextmanager
+def metal_backend(order: str = "forward", pad_grid: bool = False, seed: int = 0):
+    """Inside the block seqlib believes Metal is available and runs every kernel in the emulation."""
+    saved_factory, saved_available = kernels._factory, kernels.metal_available
+    kernels._factory = runner.metal_kernel
+    kernels.metal_available = lambda: True
+    try:
+        with runner.emulation(order, seed, pad_grid), kernels.use_backend("metal"):
+            yield
+    finally:
+        kernels._factory, kernels.metal_available = saved_factory, saved_available

@@ -1,0 +1,569 @@
+// metal_emulation.h: just enough of the Metal Shading Language (MSL) to compile
+// seqlib's kernel bodies as C++ and run them on a CPU, from pytest.
+//
+// MSL is C++14 with address-space qualifiers, vector types, a math library and
+// GPU execution rules.  This header supplies:
+//   - the qualifiers `device`, `constant`, `thread`, `threadgroup` (empty: one
+//     flat address space; `threadgroup` *declarations* are rewritten by the
+//     code generator into storage shared by the threads of one group);
+//   - the scalar and vector types the kernels use (uint3, half, bfloat16_t);
+//   - namespace metal: math (exp, tanh, ...), atomics, barriers and SIMD-group
+//     collectives (simd_sum, simd_max, simd_shuffle_down, ...);
+//   - a scheduler that runs the threads of a threadgroup as cooperative fibers.
+//     A thread runs until it reaches a barrier or a SIMD collective, then the
+//     next one runs.  A barrier releases only when every thread of the group
+//     has arrived; a collective only when every live lane of its 32-wide SIMD
+//     group has.  The order in which ready threads run is forward, reverse or
+//     random, so a kernel that reads another thread's threadgroup memory
+//     without a barrier reads the NaN fill under some order and fails.
+//
+// Threadgroups run one after another; a group at the edge of the grid has
+// only the threads that lie inside the grid (Metal's non-uniform threadgroups),
+// and threads_per_threadgroup is that group's actual size.
+//
+// Not emulated (a run on a real Mac is still needed for these): GPU memory
+// ordering between threadgroups, fast-math precision, register pressure, the
+// speed of anything, and Metal's compile-time rejections (see lint.py).
+#pragma once
+
+#include <cmath>
+#include <csetjmp>
+#include <csignal>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <sys/types.h>
+#include <ucontext.h>
+
+// ---------------------------------------------------------------- types
+
+struct uint3 {
+  uint x, y, z;
+};
+
+typedef _Float16 half;
+typedef half float16_t;
+
+// bfloat16: the top 16 bits of a float32, rounded to nearest even.
+struct bfloat16_t {
+  uint16_t bits;
+  bfloat16_t() = default;
+  bfloat16_t(float value) {
+    uint32_t word;
+    std::memcpy(&word, &value, 4);
+    if ((word & 0x7fffffffu) > 0x7f800000u) {
+      bits = uint16_t((word >> 16) | 0x40u);  // quiet NaN
+    } else {
+      bits = uint16_t((word + 0x7fffu + ((word >> 16) & 1u)) >> 16);
+    }
+  }
+  operator float() const {
+    uint32_t word = uint32_t(bits) << 16;
+    float value;
+    std::memcpy(&value, &word, 4);
+    return value;
+  }
+};
+typedef bfloat16_t bfloat;
+
+// ---------------------------------------------------------------- the scheduler
+
+namespace emu {
+
+enum class State { ready, at_barrier, at_simd, done };
+
+struct ThreadIds {
+  uint3 thread_position_in_grid;
+  uint3 thread_position_in_threadgroup;
+  uint3 threadgroup_position_in_grid;
+  uint3 threads_per_threadgroup;
+  uint3 threads_per_grid;
+  uint3 threadgroups_per_grid;
+  uint thread_index_in_threadgroup;
+  uint thread_index_in_simdgroup;
+  uint simdgroup_index_in_threadgroup;
+  uint threads_per_simdgroup;
+};
+
+constexpr int kSimdWidth = 32;
+constexpr int kMaxThreads = 1024;
+constexpr size_t kThreadgroupMemoryLimit = 32768;  // bytes, as on Apple GPUs
+constexpr size_t kStackSize = 128 * 1024;
+constexpr int kMaxDeclarations = 64;
+constexpr int kSlotBytes = 16;
+
+typedef void (*Body)(const ThreadIds&, void**);
+
+struct Fiber {
+  ucontext_t context;
+  State state;
+  ThreadIds ids;
+  char* stack;
+  int simd_phase;
+};
+
+struct Launch {
+  Fiber fibers[kMaxThreads];
+  int count = 0;      // threads in the current group
+  int current = -1;   // the fiber running now
+  bool use_fibers = false;
+  ucontext_t scheduler;
+  Body body = nullptr;
+  void** buffers = nullptr;
+  // threadgroup memory: one block per `threadgroup` declaration, shared by the group
+  char* memory_block[kMaxDeclarations];
+  size_t memory_used = 0;
+  // SIMD collectives: each lane's value, double-buffered by the lane's phase
+  unsigned char slots[2][kMaxThreads][kSlotBytes];
+  uint32_t live_lanes[2][kMaxThreads / kSimdWidth];
+  char message[512];
+  bool failed = false;
+  sigjmp_buf fault_jump;
+};
+
+inline Launch* launch_state = nullptr;
+
+inline void fail(const char* text) {
+  Launch& launch = *launch_state;
+  if (!launch.failed) {
+    std::snprintf(launch.message, sizeof(launch.message), "%s", text);
+    launch.failed = true;
+  }
+}
+
+inline Fiber& me() { return launch_state->fibers[launch_state->current]; }
+
+// Give control back to the scheduler until this thread is released.
+inline void wait_in(State state) {
+  Launch& launch = *launch_state;
+  if (!launch.use_fibers) {
+    fail("internal: a barrier or SIMD collective ran in a launch without fibers");
+    return;
+  }
+  Fiber& fiber = me();
+  fiber.state = state;
+  swapcontext(&fiber.context, &launch.scheduler);
+}
+
+inline char* threadgroup_block(int declaration, size_t bytes) {
+  Launch& launch = *launch_state;
+  if (declaration >= kMaxDeclarations) {
+    fail("too many threadgroup declarations for the emulation");
+    std::abort();
+  }
+  if (launch.memory_block[declaration] == nullptr) {
+    launch.memory_used += bytes;
+    if (launch.memory_used > kThreadgroupMemoryLimit) {
+      fail("threadgroup memory exceeds Apple GPUs' 32 KB limit");
+    }
+    char* block = static_cast<char*>(std::malloc(bytes));
+    std::memset(block, 0xff, bytes);  // NaN for floats, -1 for integers: uninitialised reads show
+    launch.memory_block[declaration] = block;
+  }
+  return launch.memory_block[declaration];
+}
+
+template <class Array>
+Array* threadgroup_array(int declaration) {
+  return reinterpret_cast<Array*>(threadgroup_block(declaration, sizeof(Array)));
+}
+
+inline void fiber_main(int index) {
+  Launch& launch = *launch_state;
+  launch.body(launch.fibers[index].ids, launch.buffers);
+  launch.fibers[index].state = State::done;
+  // returning resumes uc_link, the scheduler
+}
+
+inline uint32_t next_random(uint32_t& seed) {
+  seed ^= seed << 13;
+  seed ^= seed >> 17;
+  seed ^= seed << 5;
+  return seed;
+}
+
+// order: 0 forward, 1 reverse, 2 random (a new shuffle on every pass)
+inline void make_order(int* order, int count, int mode, uint32_t& seed) {
+  for (int i = 0; i < count; ++i) order[i] = mode == 1 ? count - 1 - i : i;
+  if (mode == 2) {
+    for (int i = count - 1; i > 0; --i) {
+      int j = int(next_random(seed) % uint32_t(i + 1));
+      int held = order[i];
+      order[i] = order[j];
+      order[j] = held;
+    }
+  }
+}
+
+// Release whatever can be released; returns false on deadlock or divergence.
+inline bool release_waiting(Launch& launch, int phase_unused) {
+  (void)phase_unused;
+  int groups = (launch.count + kSimdWidth - 1) / kSimdWidth;
+  bool released = false;
+  for (int group = 0; group < groups; ++group) {
+    int first = group * kSimdWidth;
+    int last = first + kSimdWidth < launch.count ? first + kSimdWidth : launch.count;
+    bool all_arrived = true, any_arrived = false;
+    uint32_t live = 0;
+    for (int t = first; t < last; ++t) {
+      State state = launch.fibers[t].state;
+      if (state == State::done) continue;
+      live |= 1u << (t - first);
+      if (state == State::at_simd) any_arrived = true; else all_arrived = false;
+    }
+    if (any_arrived && all_arrived) {
+      for (int t = first; t < last; ++t) {
+        Fiber& fiber = launch.fibers[t];
+        if (fiber.state == State::at_simd) {
+          launch.live_lanes[fiber.simd_phase & 1][group] = live;
+          fiber.state = State::ready;
+        }
+      }
+      released = true;
+    }
+  }
+  if (released) return true;
+  int at_barrier = 0, done = 0;
+  for (int t = 0; t < launch.count; ++t) {
+    if (launch.fibers[t].state == State::at_barrier) ++at_barrier;
+    if (launch.fibers[t].state == State::done) ++done;
+  }
+  if (at_barrier > 0 && at_barrier + done == launch.count) {
+    if (done > 0) {
+      fail("threadgroup_barrier not reached by every thread of the group (some returned before it)");
+      return false;
+    }
+    for (int t = 0; t < launch.count; ++t) launch.fibers[t].state = State::ready;
+    return true;
+  }
+  fail("deadlock: threads wait at different barriers or SIMD collectives (divergent control flow)");
+  return false;
+}
+
+inline void run_group(Launch& launch, int mode, uint32_t& seed) {
+  static int order[kMaxThreads];
+  if (!launch.use_fibers) {
+    make_order(order, launch.count, mode, seed);
+    for (int k = 0; k < launch.count && !launch.failed; ++k) {
+      launch.current = order[k];
+      launch.body(launch.fibers[order[k]].ids, launch.buffers);
+    }
+    return;
+  }
+  for (int t = 0; t < launch.count; ++t) {
+    Fiber& fiber = launch.fibers[t];
+    if (fiber.stack == nullptr) fiber.stack = static_cast<char*>(std::malloc(kStackSize));
+    getcontext(&fiber.context);
+    fiber.context.uc_stack.ss_sp = fiber.stack;
+    fiber.context.uc_stack.ss_size = kStackSize;
+    fiber.context.uc_link = &launch.scheduler;
+    makecontext(&fiber.context, reinterpret_cast<void (*)()>(fiber_main), 1, t);
+    fiber.state = State::ready;
+    fiber.simd_phase = 0;
+  }
+  for (;;) {
+    make_order(order, launch.count, mode, seed);
+    bool all_done = true;
+    for (int k = 0; k < launch.count && !launch.failed; ++k) {
+      int t = order[k];
+      if (launch.fibers[t].state != State::ready) continue;
+      launch.current = t;
+      swapcontext(&launch.scheduler, &launch.fibers[t].context);
+    }
+    if (launch.failed) return;
+    for (int t = 0; t < launch.count; ++t) all_done &= launch.fibers[t].state == State::done;
+    if (all_done) return;
+    bool any_ready = false;
+    for (int t = 0; t < launch.count; ++t) any_ready |= launch.fibers[t].state == State::ready;
+    if (!any_ready && !release_waiting(launch, 0)) return;
+  }
+}
+
+inline void on_fault(int) { siglongjmp(launch_state->fault_jump, 1); }
+
+inline void free_threadgroup_memory(Launch& launch) {
+  for (int d = 0; d < kMaxDeclarations; ++d) {
+    std::free(launch.memory_block[d]);
+    launch.memory_block[d] = nullptr;
+  }
+  launch.memory_used = 0;
+}
+
+// Run the whole grid.  Returns 0, or 1 with a message.
+inline int launch(Body body, void** buffers, const unsigned* grid, const unsigned* group_size, int mode,
+                  unsigned seed, bool use_fibers, char* message, int message_size) {
+  static Launch state;
+  Launch& launch = state;
+  launch_state = &launch;
+  launch.body = body;
+  launch.buffers = buffers;
+  launch.use_fibers = use_fibers;
+  launch.failed = false;
+  launch.message[0] = 0;
+  uint32_t random_state = seed * 2654435761u + 1u;
+  unsigned group[3], groups[3];
+  for (int k = 0; k < 3; ++k) {
+    group[k] = group_size[k] < grid[k] ? group_size[k] : grid[k];  // as MLX: min(threadgroup, grid)
+    groups[k] = group[k] ? (grid[k] + group[k] - 1) / group[k] : 0;
+  }
+  if (size_t(group[0]) * group[1] * group[2] > size_t(kMaxThreads)) {
+    std::snprintf(message, message_size, "threadgroup of %u threads exceeds Metal's 1024",
+                  group[0] * group[1] * group[2]);
+    return 1;
+  }
+  struct sigaction fault_action, old_segv, old_bus;
+  std::memset(&fault_action, 0, sizeof(fault_action));
+  fault_action.sa_handler = on_fault;
+  sigaction(SIGSEGV, &fault_action, &old_segv);
+  sigaction(SIGBUS, &fault_action, &old_bus);
+  if (sigsetjmp(launch.fault_jump, 1) != 0) {
+    fail("memory fault: the kernel read or wrote far outside its buffers");
+  } else {
+    int group_order[3][4096];
+    uint32_t group_count[3] = {groups[0], groups[1], groups[2]};
+    for (int k = 0; k < 3; ++k) {
+      int n = int(group_count[k] < 4096 ? group_count[k] : 4096);
+      if (group_count[k] > 4096) {
+        fail("grid too large for the emulation (more than 4096 groups along one axis)");
+      }
+      make_order(group_order[k], n, mode, random_state);
+    }
+    for (uint32_t gz = 0; gz < group_count[2] && !launch.failed; ++gz)
+      for (uint32_t gy = 0; gy < group_count[1] && !launch.failed; ++gy)
+        for (uint32_t gx = 0; gx < group_count[0] && !launch.failed; ++gx) {
+          uint3 position = {uint(group_order[0][gx]), uint(group_order[1][gy]), uint(group_order[2][gz])};
+          uint3 actual;  // the threads of this group that lie inside the grid
+          actual.x = grid[0] - position.x * group[0] < group[0] ? grid[0] - position.x * group[0] : group[0];
+          actual.y = grid[1] - position.y * group[1] < group[1] ? grid[1] - position.y * group[1] : group[1];
+          actual.z = grid[2] - position.z * group[2] < group[2] ? grid[2] - position.z * group[2] : group[2];
+          launch.count = int(actual.x * actual.y * actual.z);
+          int t = 0;
+          for (uint z = 0; z < actual.z; ++z)
+            for (uint y = 0; y < actual.y; ++y)
+              for (uint x = 0; x < actual.x; ++x, ++t) {
+                ThreadIds& ids = launch.fibers[t].ids;
+                ids.thread_position_in_threadgroup = {x, y, z};
+                ids.threadgroup_position_in_grid = position;
+                ids.thread_position_in_grid = {position.x * group[0] + x, position.y * group[1] + y,
+                                               position.z * group[2] + z};
+                ids.threads_per_threadgroup = actual;
+                ids.threads_per_grid = {grid[0], grid[1], grid[2]};
+                ids.threadgroups_per_grid = {groups[0], groups[1], groups[2]};
+                ids.thread_index_in_threadgroup = uint(t);
+                ids.thread_index_in_simdgroup = uint(t % kSimdWidth);
+                ids.simdgroup_index_in_threadgroup = uint(t / kSimdWidth);
+                ids.threads_per_simdgroup = kSimdWidth;
+              }
+          run_group(launch, mode, random_state);
+          free_threadgroup_memory(launch);
+        }
+  }
+  sigaction(SIGSEGV, &old_segv, nullptr);
+  sigaction(SIGBUS, &old_bus, nullptr);
+  if (launch.failed) {
+    free_threadgroup_memory(launch);
+    std::snprintf(message, message_size, "%s", launch.message);
+    return 1;
+  }
+  return 0;
+}
+
+}  // namespace emu
+
+// ---------------------------------------------------------------- namespace metal
+
+namespace metal {
+
+enum class mem_flags { mem_none = 0, mem_device = 1, mem_threadgroup = 2, mem_texture = 4 };
+inline mem_flags operator|(mem_flags a, mem_flags b) { return mem_flags(int(a) | int(b)); }
+
+inline void threadgroup_barrier(mem_flags) { emu::wait_in(emu::State::at_barrier); }
+
+// -- SIMD-group collectives: every live lane of the 32-wide group must arrive.
+
+template <class T>
+inline T lane_value(int phase, int thread) {
+  T value;
+  std::memcpy(&value, emu::launch_state->slots[phase][thread], sizeof(T));
+  return value;
+}
+
+// Publish this lane's value and wait for the rest of its SIMD group.
+// Returns the phase whose slots hold the group's values.
+template <class T>
+inline int simd_exchange(T value) {
+  static_assert(sizeof(T) <= emu::kSlotBytes, "SIMD value too large for the emulation");
+  emu::Fiber& fiber = emu::me();
+  int phase = fiber.simd_phase & 1;
+  std::memcpy(emu::launch_state->slots[phase][fiber.ids.thread_index_in_threadgroup], &value, sizeof(T));
+  emu::wait_in(emu::State::at_simd);
+  fiber.simd_phase += 1;
+  return phase;
+}
+
+inline uint32_t live_mask(int phase) {
+  return emu::launch_state->live_lanes[phase][emu::me().ids.simdgroup_index_in_threadgroup];
+}
+
+inline int first_thread_of_my_simdgroup() {
+  return int(emu::me().ids.simdgroup_index_in_threadgroup) * emu::kSimdWidth;
+}
+
+template <class T, class Combine>
+inline T simd_reduce(T value, Combine combine) {
+  int phase = simd_exchange(value);
+  uint32_t live = live_mask(phase);
+  int first = first_thread_of_my_simdgroup();
+  bool started = false;
+  T result = value;
+  for (int lane = 0; lane < emu::kSimdWidth; ++lane) {
+    if (!(live & (1u << lane))) continue;
+    T other = lane_value<T>(phase, first + lane);
+    result = started ? combine(result, other) : other;
+    started = true;
+  }
+  return result;
+}
+
+template <class T>
+inline T simd_sum(T value) {
+  return simd_reduce(value, [](T a, T b) { return T(a + b); });
+}
+template <class T>
+inline T simd_max(T value) {
+  return simd_reduce(value, [](T a, T b) { return a > b ? a : b; });
+}
+template <class T>
+inline T simd_min(T value) {
+  return simd_reduce(value, [](T a, T b) { return a < b ? a : b; });
+}
+
+// The value of lane `source` (undefined, here NaN bytes, if that lane is inactive).
+template <class T>
+inline T read_lane(int phase, int source, T own) {
+  if (source < 0 || source >= emu::kSimdWidth) return own;
+  if (!(live_mask(phase) & (1u << source))) {
+    T garbage;
+    std::memset(&garbage, 0xff, sizeof(T));
+    return garbage;
+  }
+  return lane_value<T>(phase, first_thread_of_my_simdgroup() + source);
+}
+
+template <class T>
+inline T simd_shuffle(T value, unsigned short lane) {
+  int phase = simd_exchange(value);
+  return read_lane(phase, int(lane), value);
+}
+template <class T>
+inline T simd_broadcast(T value, unsigned short lane) {
+  return simd_shuffle(value, lane);
+}
+template <class T>
+inline T simd_shuffle_down(T value, unsigned short delta) {
+  int phase = simd_exchange(value);
+  return read_lane(phase, int(emu::me().ids.thread_index_in_simdgroup) + int(delta), value);
+}
+template <class T>
+inline T simd_shuffle_up(T value, unsigned short delta) {
+  int phase = simd_exchange(value);
+  int lane = int(emu::me().ids.thread_index_in_simdgroup) - int(delta);
+  return lane < 0 ? value : read_lane(phase, lane, value);
+}
+template <class T>
+inline T simd_shuffle_xor(T value, unsigned short mask) {
+  int phase = simd_exchange(value);
+  return read_lane(phase, int(emu::me().ids.thread_index_in_simdgroup ^ mask), value);
+}
+
+// -- atomics (the threads run on one CPU thread, so plain read-modify-write is atomic)
+
+enum memory_order { memory_order_relaxed };
+
+template <class T>
+struct atomic {
+  T value;
+};
+typedef atomic<int> atomic_int;
+typedef atomic<uint> atomic_uint;
+typedef atomic<float> atomic_float;
+
+template <class T, class U>
+inline T atomic_fetch_add_explicit(atomic<T>* object, U operand, memory_order) {
+  T old = object->value;
+  object->value = T(old + T(operand));
+  return old;
+}
+template <class T, class U>
+inline T atomic_fetch_max_explicit(atomic<T>* object, U operand, memory_order) {
+  T old = object->value;
+  object->value = old > T(operand) ? old : T(operand);
+  return old;
+}
+template <class T>
+inline T atomic_load_explicit(atomic<T>* object, memory_order) {
+  return object->value;
+}
+template <class T, class U>
+inline void atomic_store_explicit(atomic<T>* object, U operand, memory_order) {
+  object->value = T(operand);
+}
+
+// -- math, in float (half and bfloat convert on the way in and out)
+
+inline float exp(float x) { return ::expf(x); }
+inline float log(float x) { return ::logf(x); }
+inline float tanh(float x) { return ::tanhf(x); }
+inline float sqrt(float x) { return ::sqrtf(x); }
+inline float rsqrt(float x) { return 1.0f / ::sqrtf(x); }
+inline float abs(float x) { return ::fabsf(x); }
+inline float fabs(float x) { return ::fabsf(x); }
+inline float pow(float x, float y) { return ::powf(x, y); }
+inline float powr(float x, float y) { return ::powf(x, y); }
+inline float fma(float a, float b, float c) { return ::fmaf(a, b, c); }
+inline float floor(float x) { return ::floorf(x); }
+inline float ceil(float x) { return ::ceilf(x); }
+inline bool isnan(float x) { return std::isnan(x); }
+inline bool isinf(float x) { return std::isinf(x); }
+inline float max(float a, float b) { return ::fmaxf(a, b); }
+inline float min(float a, float b) { return ::fminf(a, b); }
+inline float fmax(float a, float b) { return ::fmaxf(a, b); }
+inline float fmin(float a, float b) { return ::fminf(a, b); }
+inline float clamp(float x, float low, float high) { return ::fminf(::fmaxf(x, low), high); }
+inline int max(int a, int b) { return a > b ? a : b; }
+inline int min(int a, int b) { return a < b ? a : b; }
+inline uint max(uint a, uint b) { return a > b ? a : b; }
+inline uint min(uint a, uint b) { return a < b ? a : b; }
+template <class T>
+inline T select(T if_false, T if_true, bool condition) {
+  return condition ? if_true : if_false;
+}
+
+namespace precise {
+inline float exp(float x) { return ::expf(x); }
+inline float tanh(float x) { return ::tanhf(x); }
+inline float log(float x) { return ::logf(x); }
+inline float sqrt(float x) { return ::sqrtf(x); }
+inline float pow(float x, float y) { return ::powf(x, y); }
+}  // namespace precise
+
+namespace fast {
+inline float exp(float x) { return ::expf(x); }
+inline float tanh(float x) { return ::tanhf(x); }
+inline float log(float x) { return ::logf(x); }
+inline float sqrt(float x) { return ::sqrtf(x); }
+inline float pow(float x, float y) { return ::powf(x, y); }
+}  // namespace fast
+
+}  // namespace metal
+
+using namespace metal;
+
+// MSL's address spaces: one flat memory here.  (Defined after the system
+// headers, which use some of these words.)
+#define device
+#define constant
+#define thread
+#define threadgroup
+#define kernel
