@@ -71,8 +71,13 @@ _CANDIDATES = (
 HEADER_NAME = "seqlib_math.h"
 
 
+KERNEL_DIR_ENV = "SEQLIB_KERNEL_DIR"
+
+
 def kernel_dir() -> Path:
-    """The folder holding the ``.metal`` sources."""
+    """The folder holding the ``.metal`` sources (``$SEQLIB_KERNEL_DIR`` if set: for trying edited kernels)."""
+    if os.environ.get(KERNEL_DIR_ENV):
+        return Path(os.environ[KERNEL_DIR_ENV])
     for folder in _CANDIDATES:
         if any(folder.glob("*.metal")):
             return folder

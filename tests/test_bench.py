@@ -32,3 +32,25 @@ def test_an_implementation_that_disagrees_is_never_timed():
     case = Case("disagreement", {"right": lambda: 1.0, "wrong": lambda: 2.0}, check=lambda a, b: abs(a - b))
     with pytest.raises(AssertionError, match="wrong disagrees with right"):
         run_cases([case], repeats=1, warmup=0)
+
+
+def test_kernel_suite_says_plainly_when_metal_is_missing():
+    result = subprocess.run([sys.executable, "-m", "seqlib.bench", "kernels", "--quick"],
+                            capture_output=True, text=True, timeout=600)  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "Metal is not available on this machine" in result.stdout
+
+
+@pytest.mark.metal_emulation
+def test_kernel_suite_validates_every_kernel_against_the_ops_path_before_timing(capsys):
+    from metal_emulation import metal_backend
+
+    from seqlib.bench import kernels as kernel_suite
+
+    with metal_backend():
+        kernel_suite.main(quick=True)
+    printed = capsys.readouterr().out
+    for expected in ("LSTM gate math", "LSTM layer forward", "metal v1 (simple)", "metal v2 (simd)",
+                     "EmbeddingBag sum forward", "vs ops path", "napkin", "[ok]"):  # fmt: skip
+        assert expected in printed
+    assert "MISMATCH" not in printed

@@ -53,13 +53,16 @@ def test_wheel_installs_and_finds_its_kernel_sources(tmp_path):
         f"import sys; sys.path.append({deps!r}); import seqlib; "
         "print(seqlib.__file__); print(seqlib.kernels.kernel_dir()); "
         "print(len(seqlib.kernels.kernel_source('embedding_gather'))); "
+        "print(','.join(seqlib.kernels.kernel_names())); print(len(seqlib.kernels.kernel_header())); "
         "import pkgutil; print(','.join(sorted(m.name for m in pkgutil.walk_packages(seqlib.__path__, 'seqlib.'))))"
     )
     result = subprocess.run([python, "-c", code], capture_output=True, text=True, cwd=tmp_path)
     assert result.returncode == 0, result.stderr
-    module_file, kernel_dir, length, installed_modules = result.stdout.split()
+    module_file, kernel_dir, length, installed_kernels, header_length, installed_modules = result.stdout.split()
     assert module_file.startswith(str(env_dir))
     source_modules = sorted(m.name for m in pkgutil.walk_packages(seqlib.__path__, "seqlib."))
     assert installed_modules.split(",") == source_modules  # every subpackage made it into the wheel
     assert kernel_dir == str(Path(module_file).parent / "metal_kernels")
     assert int(length) > 100
+    assert installed_kernels.split(",") == seqlib.kernels.kernel_names()  # every kernel and the shared header
+    assert int(header_length) > 100

@@ -1,4 +1,5 @@
-"""``python -m seqlib.bench SUITE [--repeats N]``: time seqlib against torch and plain MLX."""
+"""``python -m seqlib.bench SUITE [--repeats N]``: time seqlib against torch and plain MLX (or, on a Mac, its
+Metal kernels against its MLX-ops path)."""
 
 from __future__ import annotations
 
@@ -6,7 +7,7 @@ import argparse
 
 import seqlib  # noqa: F401  (routes MLX's BLAS before mlx.core is imported)
 
-SUITES = ("embedding", "recurrent")
+SUITES = ("embedding", "recurrent", "kernels")
 
 
 def main() -> None:
@@ -23,6 +24,10 @@ def main() -> None:
         from seqlib.bench import recurrent
 
         recurrent.main(repeats=args.repeats or 7, quick=args.quick)
+    elif args.suite == "kernels":
+        from seqlib.bench import kernels
+
+        kernels.main(repeats=args.repeats or 15, quick=args.quick)
 
 
 if __name__ == "__main__":

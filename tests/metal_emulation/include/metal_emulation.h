@@ -26,6 +26,10 @@
 // speed of anything, and Metal's compile-time rejections (see lint.py).
 #pragma once
 
+#if defined(__APPLE__) && !defined(_XOPEN_SOURCE)
+#define _XOPEN_SOURCE 700  // macOS hides ucontext behind this (the workflow runs the emulation there too)
+#endif
+
 #include <cmath>
 #include <csetjmp>
 #include <csignal>
