@@ -55,7 +55,7 @@ def embedding_renorm(weight: mx.array, input: mx.array, max_norm: float, norm_ty
     if unique_rows.size == 0:
         return weight
     if kernels.backend() == "metal":
-        scale = kernels.embedding_renorm_scales(weight, unique_rows, max_norm, norm_type)
+        scale = kernels._embedding_renorm_scales(weight, unique_rows, max_norm, norm_type)  # checked above
     else:
         norms = _row_norms(weight[unique_rows], norm_type)  # (n,)
         scale = mx.where(norms > max_norm, max_norm / (norms + 1e-7), 1.0)
@@ -136,7 +136,7 @@ def embedding(
         weight = renorm_for_lookup(weight, indices, max_norm, norm_type)
     if kernels.backend() == "metal":
         grad_scale = _inverse_frequency(indices).reshape(-1) if scale_grad_by_freq else None
-        return kernels.embedding(weight, indices, padding_idx, grad_scale)
+        return kernels._embedding(weight, indices, padding_idx, grad_scale)  # checked above
     rows = mx.take(weight, indices, axis=0)  # (*, D)
     if padding_idx is None and not scale_grad_by_freq:
         return rows
@@ -280,7 +280,8 @@ def embedding_bag(
         ends = offsets if include_last_offset else np.append(offsets, indices.size)
         if max_norm is not None:
             weight = renorm_for_lookup(weight, indices, max_norm, norm_type)
-        return kernels.embedding_bag(weight, indices, mx.array(ends), mode, flat_weights, padding_idx)
+        flat = indices.astype(mx.int32)
+        return kernels._embedding_bag(weight, flat, ends, mode, flat_weights, padding_idx)  # checked above
     layout = bag_layout(indices, offsets, include_last_offset, padding_idx)
 
     if max_norm is not None:

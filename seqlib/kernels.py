@@ -36,7 +36,7 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 
-from seqlib._checks import check_index_range
+from seqlib._checks import as_index_array, check_index_range, check_max_norm
 
 __all__ = [
     "BACKENDS",
@@ -439,6 +439,11 @@ def sequence_kernel_serves(batch: int, hidden_size: int) -> bool:
 
 
 # ----------------------------------------------------------------- embeddings
+#
+# Each public function checks its arguments and then calls its unchecked twin
+# (underscored).  seqlib.functional, which has already run the same checks with
+# its own messages, calls the twins directly, so an index range (an evaluation)
+# is never checked twice on the way to a kernel.
 
 
 def _check_table(weight) -> tuple[int, int]:
@@ -446,10 +451,9 @@ def _check_table(weight) -> tuple[int, int]:
     return weight.shape
 
 
-def _int32_indices(name: str, indices, num_embeddings: int) -> mx.array:
-    if not isinstance(indices, mx.array) or not mx.issubdtype(indices.dtype, mx.integer):
-        given = getattr(indices, "dtype", type(indices).__name__)
-        raise TypeError(f"{name}: expected an mlx.core.array of integers, got {given}")
+def _checked_indices(name: str, indices, num_embeddings: int) -> mx.array:
+    """``indices`` flattened to int32, after checking they are integers in [0, num_embeddings)."""
+    indices = as_index_array(indices, name)
     check_index_range(indices, num_embeddings, name)
     return indices.reshape(-1).astype(mx.int32)
 
@@ -480,13 +484,20 @@ def embedding(weight: mx.array, indices: mx.array, padding_idx: int | None = Non
     no gradient, or None; grad_scale: (N,) float32 factor per lookup, or None.
     Returns (*indices.shape, D).
     """
-    num_embeddings, embedding_dim = _check_table(weight)
-    shape = tuple(indices.shape)
-    flat = _int32_indices("indices", indices, num_embeddings)
+    num_embeddings, _ = _check_table(weight)
+    flat = _checked_indices("indices", indices, num_embeddings)
     if padding_idx is not None and not 0 <= padding_idx < num_embeddings:
         raise ValueError(f"padding_idx: expected a row in [0, {num_embeddings}) or None, got {padding_idx}")
     if grad_scale is not None and tuple(grad_scale.shape) != (flat.size,):
         raise ValueError(f"grad_scale: expected shape ({flat.size},), got {tuple(grad_scale.shape)}")
+    return _embedding(weight, flat.reshape(indices.shape), padding_idx, grad_scale)
+
+
+def _embedding(weight, indices, padding_idx, grad_scale) -> mx.array:
+    """:func:`embedding` for arguments already checked."""
+    num_embeddings, embedding_dim = weight.shape
+    shape = tuple(indices.shape)
+    flat = indices.reshape(-1).astype(mx.int32)
     if flat.size == 0:
         return mx.zeros((*shape, embedding_dim), weight.dtype)
     gather = _kernel("embedding_gather", ("weight", "indices"), ("out",))
@@ -517,12 +528,17 @@ def embedding_renorm_scales(weight: mx.array, rows: mx.array, max_norm: float, n
     Returns (U,) float32: ``max_norm / (norm + 1e-7)`` where the row's ``norm_type``-norm
     exceeds ``max_norm``, else 1.
     """
-    num_embeddings, embedding_dim = _check_table(weight)
-    flat_rows = _int32_indices("rows", rows, num_embeddings)
-    if not (isinstance(max_norm, (int, float)) and max_norm > 0):
-        raise ValueError(f"max_norm: expected a positive number, got {max_norm!r}")
-    if not (isinstance(norm_type, (int, float)) and norm_type > 0):
-        raise ValueError(f"norm_type: expected a positive number (inf allowed), got {norm_type!r}")
+    num_embeddings, _ = _check_table(weight)
+    flat_rows = _checked_indices("rows", rows, num_embeddings)
+    if max_norm is None:
+        raise ValueError("max_norm: expected a positive number, got None")
+    check_max_norm(max_norm, norm_type)
+    return _embedding_renorm_scales(weight, flat_rows, max_norm, norm_type)
+
+
+def _embedding_renorm_scales(weight, flat_rows, max_norm, norm_type) -> mx.array:
+    """:func:`embedding_renorm_scales` for checked arguments: flat_rows (U,) int32 in range."""
+    embedding_dim = weight.shape[1]
     if flat_rows.size == 0:
         return mx.zeros((0,), mx.float32)
     norm_code = 0 if np.isinf(norm_type) else _NORM_CODES.get(float(norm_type), 3)
@@ -542,22 +558,45 @@ BAG_MODES = {"sum": 0, "mean": 1, "max": 2}
 _BAG_INPUTS = ("d_out", "indices", "bag_of_entry", "bag_size", "per_sample_weights", "max_entry", "padding_idx")
 
 
-def _bag_arrays(indices: mx.array, offsets: mx.array, num_embeddings: int, padding_idx):
-    """Checked int32 indices (N,), bag ends (B + 1,), each entry's bag (N,) and each bag's size (B,)."""
-    flat = _int32_indices("indices", indices, num_embeddings)
+def _checked_bags(weight, indices, offsets, mode: str, padding_idx):
+    """The checks embedding_bag and embedding_bag_sparse_rows share: returns flat int32 indices and bag ends."""
+    num_embeddings, _ = _check_table(weight)
+    if mode not in BAG_MODES:
+        raise ValueError(f"mode: expected one of {tuple(BAG_MODES)}, got {mode!r}")
+    flat = _checked_indices("indices", indices, num_embeddings)
     ends = np.asarray(offsets).astype(np.int64).reshape(-1)
     if ends.size < 1 or ends[0] != 0 or np.any(np.diff(ends) < 0) or ends[-1] > flat.size:
         raise ValueError(
             f"offsets: expected B + 1 non-decreasing values from 0 to at most len(indices)={flat.size}, "
             f"got {ends.tolist()[:8]}{'...' if ends.size > 8 else ''}"
         )
+    return flat, ends
+
+
+def _bag_membership(flat: mx.array, ends: np.ndarray, padding_idx):
+    """Bag ends (B + 1,), each entry's bag (N,; -1: in none) and each bag's counted size (B,), as int32 arrays."""
     bag_of_entry = np.full(flat.size, -1, np.int32)
     bag_of_entry[: ends[-1]] = np.repeat(np.arange(ends.size - 1), np.diff(ends))
     counted = bag_of_entry >= 0
     if padding_idx is not None:
         counted &= np.asarray(flat) != padding_idx
     bag_size = np.bincount(bag_of_entry[counted], minlength=ends.size - 1).astype(np.int32)
-    return flat, mx.array(ends.astype(np.int32)), mx.array(bag_of_entry), mx.array(bag_size)
+    return mx.array(ends.astype(np.int32)), mx.array(bag_of_entry), mx.array(bag_size)
+
+
+def _bag_forward(table, flat, ends, sample_weights, padding_idx, mode: str, weighted: bool):
+    """embedding_bag.metal: ``out (B, D)`` and ``max_entry (B, D)``."""
+    num_bags, embedding_dim = ends.size - 1, table.shape[1]
+    kernel = _kernel(
+        "embedding_bag", ("weight", "indices", "offsets", "per_sample_weights", "padding_idx"), ("out", "max_entry")
+    )
+    return kernel(
+        inputs=[table, flat, ends, sample_weights, _padding(padding_idx)],
+        template=[("T", table.dtype), ("MODE", BAG_MODES[mode]), ("WEIGHTED", weighted)],
+        output_shapes=[(num_bags, embedding_dim), (num_bags, embedding_dim)],
+        output_dtypes=[table.dtype, mx.int32],
+        **_elementwise_launch(num_bags, embedding_dim),
+    )
 
 
 def embedding_bag(
@@ -575,36 +614,27 @@ def embedding_bag(
     Returns (B, D).  ``mx.grad`` reaches ``weight`` (embedding_bag_backward.metal) and
     ``per_sample_weights`` (embedding_bag_per_sample_weights_backward.metal).
     """
-    num_embeddings, embedding_dim = _check_table(weight)
-    if mode not in BAG_MODES:
-        raise ValueError(f"mode: expected one of {tuple(BAG_MODES)}, got {mode!r}")
-    flat, ends, bag_of_entry, bag_size = _bag_arrays(indices, offsets, num_embeddings, padding_idx)
-    num_bags = ends.size - 1
-    weighted = per_sample_weights is not None
-    if weighted:
+    flat, ends = _checked_bags(weight, indices, offsets, mode, padding_idx)
+    if per_sample_weights is not None:
         if mode != "sum":
             raise ValueError(f"per_sample_weights: only supported with mode='sum', got mode={mode!r}")
         _check_shape("per_sample_weights", per_sample_weights, (flat.size,))
+    return _embedding_bag(weight, flat, ends, mode, per_sample_weights, padding_idx)
+
+
+def _embedding_bag(weight, flat, ends: np.ndarray, mode, per_sample_weights, padding_idx) -> mx.array:
+    """:func:`embedding_bag` for checked arguments: flat (N,) int32 indices in range, ends (B + 1,) NumPy."""
+    ends, bag_of_entry, bag_size = _bag_membership(flat, ends, padding_idx)
+    num_bags, embedding_dim = ends.size - 1, weight.shape[1]
+    weighted = per_sample_weights is not None
     if flat.size == 0 or num_bags == 0:
         return mx.zeros((num_bags, embedding_dim), weight.dtype)
     mode_code = BAG_MODES[mode]
     padding = _padding(padding_idx)
-    forward_kernel = _kernel(
-        "embedding_bag", ("weight", "indices", "offsets", "per_sample_weights", "padding_idx"), ("out", "max_entry")
-    )
-
-    def launch_forward(table, sample_weights):
-        return forward_kernel(
-            inputs=[table, flat, ends, sample_weights, padding],
-            template=[("T", table.dtype), ("MODE", mode_code), ("WEIGHTED", weighted)],
-            output_shapes=[(num_bags, embedding_dim), (num_bags, embedding_dim)],
-            output_dtypes=[table.dtype, mx.int32],
-            **_elementwise_launch(num_bags, embedding_dim),
-        )
 
     @mx.custom_function
     def bag(table, sample_weights):
-        return tuple(launch_forward(table, sample_weights))
+        return tuple(_bag_forward(table, flat, ends, sample_weights, padding_idx, mode, weighted))
 
     @bag.vjp
     def bag_vjp(primals, cotangents, outputs):
@@ -655,17 +685,17 @@ def embedding_bag_sparse_rows(
     Row n is what entry n sends to ``weight[indices[n]]`` (torch's uncoalesced sparse
     gradient: adding rows with equal indices gives the dense gradient's rows).
     """
-    num_embeddings, embedding_dim = _check_table(weight)
-    if mode not in BAG_MODES:
-        raise ValueError(f"mode: expected one of {tuple(BAG_MODES)}, got {mode!r}")
-    flat, ends, bag_of_entry, bag_size = _bag_arrays(indices, offsets, num_embeddings, padding_idx)
+    flat, ends = _checked_bags(weight, indices, offsets, mode, padding_idx)
+    ends, bag_of_entry, bag_size = _bag_membership(flat, ends, padding_idx)
+    embedding_dim = weight.shape[1]
     _check_shape("d_out", d_out, (ends.size - 1, embedding_dim))
     weighted = per_sample_weights is not None
     if flat.size == 0:
         return mx.zeros((0, embedding_dim), d_out.dtype)
     max_entry = mx.full((1,), -1, mx.int32)
     if mode == "max":
-        max_entry = embedding_bag_max_entries(weight, flat, ends, padding_idx)
+        no_weights = mx.ones((1,), weight.dtype)
+        max_entry = _bag_forward(weight, flat, ends, no_weights, padding_idx, "max", False)[1]
     sample_weights = per_sample_weights if weighted else mx.ones((1,), d_out.dtype)
     kernel = _kernel("embedding_bag_sparse_backward", _BAG_INPUTS, ("d_rows",))
     return kernel(
@@ -675,18 +705,3 @@ def embedding_bag_sparse_rows(
         output_dtypes=[d_out.dtype],
         **_elementwise_launch(flat.size, embedding_dim),
     )[0]
-
-
-def embedding_bag_max_entries(weight, flat_indices, ends, padding_idx) -> mx.array:
-    """The (B, D) winning entry of every max-bag column (the second output of embedding_bag.metal)."""
-    num_bags, embedding_dim = ends.size - 1, weight.shape[1]
-    kernel = _kernel(
-        "embedding_bag", ("weight", "indices", "offsets", "per_sample_weights", "padding_idx"), ("out", "max_entry")
-    )
-    return kernel(
-        inputs=[weight, flat_indices, ends, mx.ones((1,), weight.dtype), _padding(padding_idx)],
-        template=[("T", weight.dtype), ("MODE", 2), ("WEIGHTED", False)],
-        output_shapes=[(num_bags, embedding_dim), (num_bags, embedding_dim)],
-        output_dtypes=[weight.dtype, mx.int32],
-        **_elementwise_launch(num_bags, embedding_dim),
-    )[1]
