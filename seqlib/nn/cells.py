@@ -63,6 +63,15 @@ class _Cell(TorchStateDictMixin, nn.Module):
                              f"got {tuple(state.shape)}")  # fmt: skip
         return state
 
+    def _step_one_state(self, input: mx.array, hx: mx.array | None) -> mx.array:
+        """One step of a cell whose state is h alone (RNNCell, GRUCell): the new h."""
+        batched = self._check_input(input)
+        hidden = self._state(hx, input, batched, "hx")
+        if not batched:
+            return self._step_one_state(input[None], hidden[None])[0]
+        h, _ = self._run_direction(input, [input.shape[0]], [hidden], "", reverse=False)
+        return h
+
 # A cell is a sequence of length one: the same step (and hand-written backward) as the layers,
 # with suffix "" for its parameter names.
 
@@ -77,12 +86,7 @@ class RNNCell(_RNNRecurrence, _Cell):
         self.nonlinearity = nonlinearity
 
     def __call__(self, input: mx.array, hx: mx.array | None = None) -> mx.array:
-        batched = self._check_input(input)
-        hidden = self._state(hx, input, batched, "hx")
-        if not batched:
-            return self(input[None], hidden[None])[0]
-        h, _ = self._run_direction(input, [input.shape[0]], [hidden], "", reverse=False)
-        return h
+        return self._step_one_state(input, hx)
 
 
 class LSTMCell(_LSTMRecurrence, _Cell):
@@ -105,12 +109,7 @@ class GRUCell(_GRURecurrence, _Cell):
     """``n = tanh(W_in x + b_in + r * (W_hn h + b_hn))``, ``h' = (1 - z) * n + z * h``; gates r, z, n."""
 
     def __call__(self, input: mx.array, hx: mx.array | None = None) -> mx.array:
-        batched = self._check_input(input)
-        hidden = self._state(hx, input, batched, "hx")
-        if not batched:
-            return self(input[None], hidden[None])[0]
-        h, _ = self._run_direction(input, [input.shape[0]], [hidden], "", reverse=False)
-        return h
+        return self._step_one_state(input, hx)
 
 
 def _cell_from_torch(cls, module, **options):

@@ -101,17 +101,6 @@ def compile_library(cpp: str) -> ctypes.CDLL:
 
 # ----------------------------------------------------------------- buffers
 
-_C_TYPES = {
-    mx.float32: "float",
-    mx.float16: "half",
-    mx.bfloat16: "bfloat16_t",
-    mx.int32: "int32_t",
-    mx.int64: "int64_t",
-    mx.uint32: "uint32_t",
-    mx.uint8: "uint8_t",
-    mx.bool_: "bool",
-}
-
 
 def _to_numpy(array: mx.array) -> np.ndarray:
     if array.dtype == mx.bfloat16:
@@ -221,7 +210,7 @@ class EmulatedKernel:
         buffers, kinds = [], []
         for spec, array in zip(specs, inputs, strict=True):
             buffers.append(_Buffer(_to_numpy(array), _poison(array.dtype)))
-            kinds.append((f"const {_C_TYPES[array.dtype]}", "reference" if spec.is_scalar else "pointer"))
+            kinds.append((f"const {codegen.DTYPE_NAMES[array.dtype]}", "reference" if spec.is_scalar else "pointer"))
             if spec.ndim > 0:
                 uses_shape, uses_strides, uses_ndim = codegen.shape_uses(self.source, spec.name)
                 if uses_shape:
@@ -239,7 +228,7 @@ class EmulatedKernel:
             fill = _poison(dtype) if init_value is None else init_value
             values = np.full(int(np.prod(shape, dtype=np.int64)), fill, dtype=_numpy_dtype(dtype))
             outputs.append(_Buffer(values, _guard_marker(dtype)))
-            c_type = _C_TYPES[dtype]
+            c_type = codegen.DTYPE_NAMES[dtype]
             kinds.append((f"atomic<{c_type}>" if self.atomic_outputs else c_type, "pointer"))
         buffers += outputs
 

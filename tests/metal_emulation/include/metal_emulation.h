@@ -544,20 +544,21 @@ inline T select(T if_false, T if_true, bool condition) {
   return condition ? if_true : if_false;
 }
 
+// precise:: and fast:: name the same functions (the emulation computes in IEEE float either way).
 namespace precise {
-inline float exp(float x) { return ::expf(x); }
-inline float tanh(float x) { return ::tanhf(x); }
-inline float log(float x) { return ::logf(x); }
-inline float sqrt(float x) { return ::sqrtf(x); }
-inline float pow(float x, float y) { return ::powf(x, y); }
+using metal::exp;
+using metal::log;
+using metal::pow;
+using metal::sqrt;
+using metal::tanh;
 }  // namespace precise
 
 namespace fast {
-inline float exp(float x) { return ::expf(x); }
-inline float tanh(float x) { return ::tanhf(x); }
-inline float log(float x) { return ::logf(x); }
-inline float sqrt(float x) { return ::sqrtf(x); }
-inline float pow(float x, float y) { return ::powf(x, y); }
+using metal::exp;
+using metal::log;
+using metal::pow;
+using metal::sqrt;
+using metal::tanh;
 }  // namespace fast
 
 }  // namespace metal
