@@ -79,6 +79,10 @@ def open_page(browser, site_url: str, page_path: str):
     page.on("requestfailed", lambda r: errors.append(f"failed: {r.url}") if is_ours(r.url) else None)
     response = page.goto(f"{site_url}/{page_path}", wait_until="load")
     assert response is not None and response.ok, f"{page_path}: HTTP {response and response.status}"
+    # index.html is a meta-refresh to book/intro.html: wait for the page it lands on, not a fixed delay
+    # (300 ms was not always enough for the first page of a fresh browser on a loaded 2-core machine).
+    page.wait_for_selector("main", state="attached", timeout=20_000)
+    page.wait_for_load_state("load")
     page.wait_for_timeout(300)
     return page, errors
 
