@@ -9,7 +9,7 @@ from seqlib._blas import route_mlx_blas as _route_mlx_blas
 
 _route_mlx_blas()  # must run before anything below imports mlx.core
 
-from seqlib import activations, functional, interop, kernels, nn, optim, recurrent, reference, sparse  # noqa: E402
+from seqlib import activations, data, functional, interop, kernels, nn, optim, recurrent, reference, sparse  # noqa: E402
 from seqlib._blas import BlasRoutingWarning, BlasStatus  # noqa: E402
 from seqlib.interop import from_torch  # noqa: E402
 from seqlib.nn import Embedding, EmbeddingBag  # noqa: E402
@@ -34,6 +34,7 @@ __all__ = [
     "__version__",
     "activations",
     "blas_status",
+    "data",
     "from_torch",
     "functional",
     "interop",

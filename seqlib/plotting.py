@@ -9,7 +9,7 @@ from __future__ import annotations
 import matplotlib as mpl
 import matplotlib.pyplot as plt
 
-__all__ = ["COLORS", "figure", "use_book_style"]
+__all__ = ["COLORS", "animation", "figure", "use_book_style"]
 
 # Colour roles used across chapters, so the same idea keeps the same colour.
 COLORS = {
@@ -46,3 +46,20 @@ def figure(nrows: int = 1, ncols: int = 1, **kwargs):
     """``plt.subplots`` with the book's style applied; returns ``(fig, axes)``."""
     use_book_style()
     return plt.subplots(nrows, ncols, layout="constrained", **kwargs)
+
+
+def animation(fig, draw_frame, frames: int, fps: float = 3):
+    """A playable animation for the page: ``draw_frame(k)`` for k = 0 .. frames - 1, as jshtml.
+
+    Returns an ``IPython.display.HTML`` object (show it as a cell's last value)
+    and closes ``fig`` so the notebook does not also show its last frame.  Every
+    frame is a PNG inside the page, so keep figures small (``dpi=72``) and
+    frames few.  The animation plays once; its controls step and scrub it
+    without a Python kernel.
+    """
+    from IPython.display import HTML
+    from matplotlib.animation import FuncAnimation
+
+    html = FuncAnimation(fig, draw_frame, frames=frames).to_jshtml(fps=fps, default_mode="once")
+    plt.close(fig)
+    return HTML(html)
