@@ -54,3 +54,13 @@ def test_kernel_suite_validates_every_kernel_against_the_ops_path_before_timing(
                      "EmbeddingBag sum forward", "vs ops path", "napkin", "[ok]"):  # fmt: skip
         assert expected in printed
     assert "MISMATCH" not in printed
+
+
+def test_the_ratio_column_fits_a_long_baseline_name(capsys):
+    case = Case("long names", {"one packed product": lambda: 1.0, "four separate products": lambda: 1.0},
+                check=lambda a, b: abs(a - b), mlx_baseline="four separate products")  # fmt: skip
+    run_cases([case], repeats=1, warmup=0)
+    header = next(line for line in capsys.readouterr().out.splitlines() if "implementation" in line)
+    assert "vs torch  vs four separate products" in header
+    assert header.split() == ["implementation", "median", "ms", "vs", "torch", "vs", "four", "separate", "products",
+                              "GB/s", "GFLOP/s"]  # fmt: skip

@@ -100,9 +100,10 @@ def _print_case(case: Case, rows: list[dict]) -> None:
     for note in case.notes:
         print(f"  {note}")
     vs_mlx = f"vs {case.mlx_baseline}"
-    print(f"  {'implementation':<26}{'median ms':>11}{'vs torch':>10}{vs_mlx:>12}{'GB/s':>8}{'GFLOP/s':>9}")
+    vs_width = max(12, len(vs_mlx) + 2)  # the column fits its header, however long the baseline's name
+    print(f"  {'implementation':<26}{'median ms':>11}{'vs torch':>10}{vs_mlx:>{vs_width}}{'GB/s':>8}{'GFLOP/s':>9}")
     for row in rows:
         print(
             f"  {row['implementation']:<26}{row['median_ms']:>11.2f}{fmt(row['vs_torch'], '>10.2f')}"
-            f"{fmt(row['vs_mlx'], '>12.2f')}{fmt(row['GB/s'], '>8.1f')}{fmt(row['GFLOP/s'], '>9.1f')}"
+            f"{fmt(row['vs_mlx'], f'>{vs_width}.2f')}{fmt(row['GB/s'], '>8.1f')}{fmt(row['GFLOP/s'], '>9.1f')}"
         )
