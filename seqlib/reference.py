@@ -29,7 +29,7 @@ import numpy as np
 
 __all__ = [
     "gru_backward", "gru_cell", "gru_cell_scalar", "gru_forward",
-    "lstm_backward", "lstm_cell", "lstm_cell_scalar", "lstm_forward",
+    "lstm_backward", "lstm_cell", "lstm_cell_scalar", "lstm_forward", "lstm_gates_scalar",
     "rnn_backward", "rnn_cell", "rnn_cell_scalar", "rnn_forward",
 ]  # fmt: skip
 
@@ -47,13 +47,19 @@ def rnn_cell_scalar(x, h, w_ih, w_hh, b_ih, b_hh, nonlinearity="tanh"):
     return math.tanh(a) if nonlinearity == "tanh" else max(a, 0.0)
 
 
-def lstm_cell_scalar(x, h, c, w_ih, w_hh, b_ih, b_hh):
-    """One step of a one-unit LSTM.  ``w_ih`` etc. hold four floats, gates in the order i, f, g, o."""
+def lstm_gates_scalar(x, h, w_ih, w_hh, b_ih, b_hh):
+    """The four gates of a one-unit LSTM step, ``(i, f, g, o)``.  ``w_ih`` etc. hold four floats in that order."""
     pre = [w_ih[k] * x + b_ih[k] + w_hh[k] * h + b_hh[k] for k in range(4)]
     i = sigmoid_scalar(pre[0])  # input gate: how much of the candidate to write
     f = sigmoid_scalar(pre[1])  # forget gate: how much of the old cell to keep
     g = math.tanh(pre[2])  # candidate value, in (-1, 1)
     o = sigmoid_scalar(pre[3])  # output gate: how much of the cell to show
+    return i, f, g, o
+
+
+def lstm_cell_scalar(x, h, c, w_ih, w_hh, b_ih, b_hh):
+    """One step of a one-unit LSTM.  ``w_ih`` etc. hold four floats, gates in the order i, f, g, o."""
+    i, f, g, o = lstm_gates_scalar(x, h, w_ih, w_hh, b_ih, b_hh)
     c_new = f * c + i * g
     h_new = o * math.tanh(c_new)
     return h_new, c_new

@@ -99,3 +99,16 @@ def test_vector_cells_match_torch_cells(kind):
         expected = cell(x_t, h_t).detach().numpy()
         got = getattr(ref, f"{kind}_cell")(x, h, *params)
     np.testing.assert_allclose(got, expected, rtol=1e-12, atol=1e-12)
+
+
+def test_scalar_lstm_gates_are_the_gates_the_vector_forward_caches():
+    rng = np.random.default_rng(3)
+    w_ih, w_hh, b_ih, b_hh = (rng.standard_normal(4) for _ in range(4))
+    xs = rng.standard_normal((6, 1, 1))
+    _, _, cache = ref.lstm_forward(xs, np.zeros((1, 1)), np.zeros((1, 1)), w_ih[:, None], w_hh[:, None], b_ih, b_hh)
+    hs, cached_gates = cache[3], cache[5]
+    h = 0.0
+    for t in range(len(xs)):
+        gates = ref.lstm_gates_scalar(xs[t, 0, 0], h, w_ih, w_hh, b_ih, b_hh)
+        assert gates == pytest.approx([gate.item() for gate in cached_gates[t]], abs=1e-12)
+        h = hs[t].item()
