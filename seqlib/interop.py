@@ -7,6 +7,9 @@ only if you pass it torch objects).
 
 from __future__ import annotations
 
+import sys
+from collections.abc import Mapping
+
 import mlx.core as mx
 import numpy as np
 from mlx.utils import tree_flatten, tree_unflatten
@@ -16,25 +19,74 @@ __all__ = ["TorchStateDictMixin", "from_mlx", "from_torch", "to_mlx", "to_mlx_ar
 _FROM_TORCH = {}  # torch class name -> function(torch_module) -> seqlib module
 
 
-def to_mlx_array(value, dtype: mx.Dtype | None = None) -> mx.array:
-    """An MLX array from a torch tensor, a NumPy array or an MLX array."""
-    if type(value).__module__.startswith("torch"):
-        value = value.detach().cpu()
-        if str(value.dtype) == "torch.bfloat16":  # NumPy has no bfloat16: go through float32, exactly
-            value = value.float()
-        value = value.numpy()
+def to_mlx_array(value, dtype: mx.Dtype | None = None, name: str = "value") -> mx.array:
+    """An MLX array from a torch tensor, a NumPy array or an MLX array, cast to ``dtype`` if given.
+
+    Errors name the array as ``name``.  Floating types NumPy lacks (bfloat16, float8)
+    go through float32, exactly; a sparse torch tensor is made dense and a quantized
+    one dequantized, as torch's ``copy_`` into a parameter would.  A meta-device tensor
+    (no data) is a ValueError.
+    """
+    if dtype is not None and not isinstance(dtype, mx.Dtype):
+        raise TypeError(f"dtype: expected an mlx.core.Dtype or None, got {type(dtype).__name__}")
+    tensor_class = _torch_class("Tensor")
+    if tensor_class is not None and isinstance(value, tensor_class):
+        value = _torch_to_numpy(value, name)
     if isinstance(value, np.ndarray):
+        if value.dtype.kind not in "biufc" or value.dtype in (np.longdouble, np.clongdouble):
+            raise TypeError(f"{name}: NumPy dtype {value.dtype} has no MLX equivalent")
         value = mx.array(value)
     if not isinstance(value, mx.array):
-        raise TypeError(f"expected a torch tensor, NumPy array or MLX array, got {type(value).__name__}")
+        raise TypeError(f"{name}: expected a torch tensor, NumPy array or MLX array, got {type(value).__name__}")
     return value.astype(dtype) if dtype is not None else value
+
+
+def _torch_class(path: str) -> type | None:
+    """``torch.<path>`` ("Tensor", "nn.LSTM"), or None if torch was never imported (so nothing can be one)."""
+    found = sys.modules.get("torch")
+    for part in path.split("."):
+        found = getattr(found, part, None)
+    return found if isinstance(found, type) else None
+
+
+def _torch_to_numpy(tensor, name: str) -> np.ndarray:
+    import torch
+
+    if tensor.is_meta:
+        raise ValueError(
+            f"{name}: a meta-device tensor of shape {tuple(tensor.shape)} has no data; "
+            "materialise it first (module.to_empty(device='cpu'), then initialise or load weights)"
+        )
+    tensor = tensor.detach().cpu()
+    if tensor.layout != torch.strided:
+        tensor = tensor.to_dense()
+    if tensor.is_quantized:
+        tensor = tensor.dequantize()
+    tensor = tensor.resolve_conj().resolve_neg()
+    if tensor.is_floating_point() and tensor.dtype not in (torch.float16, torch.float32, torch.float64):
+        tensor = tensor.float()  # NumPy has no bfloat16 / float8: float32 holds them exactly
+    elif tensor.dtype == torch.complex32:
+        tensor = tensor.to(torch.complex64)
+    return tensor.numpy()
 
 
 class TorchStateDictMixin:
     """``load_torch_state_dict`` and ``torch_state_dict`` for modules with torch's parameter names."""
 
     def load_torch_state_dict(self, state_dict, strict: bool = True):
-        """Load torch tensors or NumPy arrays stored under torch's keys; returns ``self``."""
+        """Load torch tensors or NumPy arrays stored under torch's keys; returns ``self``.
+
+        As torch's ``load_state_dict``: every key must name a parameter and (with
+        ``strict``) every parameter must be there; shapes must match and values are cast
+        to each parameter's dtype.  Nothing is loaded unless everything checks out.
+        """
+        if not isinstance(state_dict, Mapping):
+            raise TypeError(
+                f"state_dict: expected a mapping of parameter names to tensors, got {type(state_dict).__name__}"
+            )
+        for key in state_dict:
+            if not isinstance(key, str):
+                raise TypeError(f"state_dict: keys must be parameter names (str), got {type(key).__name__} {key!r}")
         current = dict(tree_flatten(self.parameters()))
         missing = sorted(set(current) - set(state_dict))
         unexpected = sorted(set(state_dict) - set(current))
@@ -44,7 +96,7 @@ class TorchStateDictMixin:
         for key, value in state_dict.items():
             if key not in current:
                 continue
-            array = to_mlx_array(value, current[key].dtype)
+            array = to_mlx_array(value, current[key].dtype, name=f"state_dict[{key!r}]")
             if array.shape != current[key].shape:
                 raise ValueError(
                     f"state_dict[{key!r}]: expected shape {tuple(current[key].shape)}, got {tuple(array.shape)}"
@@ -72,11 +124,22 @@ def register_from_torch(torch_class_name: str):
 
 
 def from_torch(module):
-    """The seqlib module equivalent to a torch module: same options, same weights."""
+    """The seqlib module equivalent to a torch module: same options, same weights.
+
+    ``module`` must be exactly one of the torch.nn classes seqlib implements (a
+    subclass may compute something else, so it is refused), with its weights in
+    memory (not on the meta device).
+    """
     name = type(module).__name__
-    if name not in _FROM_TORCH or not type(module).__module__.startswith("torch"):
+    if name not in _FROM_TORCH or type(module) is not _torch_class(f"nn.{name}"):
         known = ", ".join(f"torch.nn.{known}" for known in sorted(_FROM_TORCH))
-        raise TypeError(f"module: expected one of {known}, got {type(module).__module__}.{name}")
+        raise TypeError(f"module: expected one of {known}, got {type(module).__module__}.{type(module).__qualname__}")
+    meta = [key for key, tensor in module.state_dict().items() if tensor.is_meta]
+    if meta:
+        raise ValueError(
+            f"module: its weights {meta} are on the meta device and hold no data; "
+            "materialise them first (module.to_empty(device='cpu'), then initialise or load weights)"
+        )
     return _FROM_TORCH[name](module)
 
 
@@ -102,9 +165,11 @@ def from_mlx(module):
     from seqlib import nn
 
     kind = type(module).__name__
-    if kind not in _MLX_WEIGHT_NAMES or not isinstance(module, mlx.nn.Module):
-        raise TypeError(f"module: expected mlx.nn.RNN, mlx.nn.LSTM or mlx.nn.GRU, got {type(module).__name__}")
+    if kind not in _MLX_WEIGHT_NAMES or type(module) is not getattr(mlx.nn, kind):
+        raise TypeError(f"module: expected mlx.nn.RNN, mlx.nn.LSTM or mlx.nn.GRU, got {type(module).__qualname__}")
     w_x, w_h = (getattr(module, name) for name in _MLX_WEIGHT_NAMES[kind])
+    if not all(isinstance(weight, mx.array) and weight.ndim == 2 for weight in (w_x, w_h)):
+        raise ValueError(f"module: expected 2-D weights {_MLX_WEIGHT_NAMES[kind]}, got {_shapes(w_x, w_h)}")
     hidden_size, input_size = w_h.shape[1], w_x.shape[1]
     bias = "bias" in module or "b" in module
     options = {"bias": bias, "batch_first": True}
@@ -117,17 +182,23 @@ def from_mlx(module):
         weights |= {"bias_ih_l0": module.b, "bias_hh_l0": mx.concatenate([zeros, module.bhn])}
     elif bias:
         weights |= {"bias_ih_l0": module.bias, "bias_hh_l0": mx.zeros_like(module.bias)}
-    layer.update(tree_unflatten(list(weights.items())))
-    return layer
+    layer.set_dtype(w_x.dtype)
+    return layer.load_torch_state_dict(weights)  # checks every shape against the layer's
+
+
+def _shapes(*arrays) -> list:
+    return [tuple(array.shape) if isinstance(array, mx.array) else type(array).__name__ for array in arrays]
 
 
 def to_mlx(layer):
     """The ``mlx.nn`` RNN/LSTM/GRU with the weights of a one-layer, one-direction seqlib layer (biases folded)."""
     import mlx.nn
 
+    from seqlib import nn
+
     kind = type(layer).__name__
-    if kind not in _MLX_WEIGHT_NAMES or not type(layer).__module__.startswith("seqlib"):
-        raise TypeError(f"layer: expected seqlib.nn.RNN, LSTM or GRU, got {type(layer).__name__}")
+    if kind not in _MLX_WEIGHT_NAMES or type(layer) is not getattr(nn, kind):
+        raise TypeError(f"layer: expected seqlib.nn.RNN, LSTM or GRU, got {type(layer).__qualname__}")
     if layer.num_layers != 1 or layer.bidirectional or getattr(layer, "proj_size", 0):
         raise ValueError(
             f"layer: mlx.nn.{kind} has one layer, one direction and no projection; got num_layers="

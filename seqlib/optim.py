@@ -3,83 +3,173 @@
 They are ``mlx.optimizers.Optimizer`` subclasses, used the usual way
 (``optimizer.update(model, grads)``).  A dense gradient updates the whole
 parameter; a :class:`SparseGradient` touches only its rows, exactly as torch's
-``SGD``, ``Adagrad`` and ``SparseAdam`` treat a sparse ``grad``.  Optimizer
-state stays dense (as in torch), so memory is the table plus its moments, but
-no per-step ``(V, D)`` gradient is ever built.  Note that torch's ``SGD``
-momentum differs from ``mlx.optimizers.SGD`` on the first step (torch starts
-the buffer at the gradient); these follow torch.
+``SGD``, ``Adagrad`` and ``SparseAdam`` treat a sparse ``grad`` (repeated rows
+are summed first, as torch coalesces).  Optimizer state stays dense (as in
+torch), so memory is the table plus its moments, but no per-step ``(V, D)``
+gradient is ever built.  Note that torch's ``SGD`` momentum differs from
+``mlx.optimizers.SGD`` on the first step (torch starts the buffer at the
+gradient); these follow torch.
+
+The constructors refuse what torch's refuse (a negative learning rate, betas
+outside [0, 1), ...), and also NaN, which torch's ``SGD`` lets through.  Each
+update checks every gradient against its parameter (same shape, same dtype, a
+parameter of that name) and, like torch, counts steps per parameter: a
+parameter that first gets a gradient late starts at its own step 1.
 """
 
 from __future__ import annotations
 
+import math
+
 import mlx.core as mx
 import mlx.optimizers as optim
+import numpy as np
+from mlx.utils import tree_flatten
 
 from seqlib.sparse import SparseGradient
 
 __all__ = ["SGD", "Adagrad", "SparseAdam"]
 
 
-def _rows(gradient: SparseGradient):
-    return gradient.indices, gradient.values
+def _real(name: str, value) -> float:
+    """``value`` as a float, or a TypeError naming ``name``."""
+    if isinstance(value, mx.array) and value.size == 1:
+        value = value.item()
+    if isinstance(value, bool) or not isinstance(value, (int, float, np.integer, np.floating)):
+        raise TypeError(f"{name}: expected a real number, got {type(value).__name__}")
+    return float(value)
 
 
-class SGD(optim.Optimizer):
+def _check_range(name: str, value, low: float = 0.0, high: float = math.inf, low_open: bool = False,
+                 high_open: bool = False) -> None:  # fmt: skip
+    """Raise a ValueError unless ``value`` lies in the interval (NaN never does)."""
+    number = _real(name, value)
+    above = number > low if low_open else number >= low
+    below = number < high if high_open else number <= high
+    if not (above and below):
+        interval = f"{'(' if low_open else '['}{low}, {high}{')' if high_open else ']'}"
+        raise ValueError(f"{name}: must lie in {interval} (as in torch.optim), got {value!r}")
+
+
+class _TorchOptimizer(optim.Optimizer):
+    """What seqlib's optimizers share: torch's checks of arguments and of each gradient."""
+
+    accepts_dense = True
+    weight_decay = 0.0
+
+    def __init__(self, learning_rate, positive_learning_rate: bool = False):
+        super().__init__()
+        if not callable(learning_rate) and not isinstance(learning_rate, mx.array):
+            _real("learning_rate", learning_rate)
+        self._maybe_schedule("learning_rate", learning_rate)
+        if self.learning_rate.size != 1:
+            raise ValueError(f"learning_rate: expected one number, got an array of shape {self.learning_rate.shape}")
+        _check_range("learning_rate", self.learning_rate, low_open=positive_learning_rate)
+
+    def apply_gradients(self, gradients: dict, parameters: dict):
+        """Check ``gradients`` against ``parameters`` (names, shapes, dtypes), then apply them."""
+        self._check_gradients(gradients, parameters)
+        self.init(gradients)  # state for parameters that get their first gradient now
+        return super().apply_gradients(gradients, parameters)
+
+    def _check_gradients(self, gradients, parameters) -> None:
+        if not isinstance(gradients, (dict, list, tuple)):
+            raise TypeError(f"gradients: expected a tree (dict) of gradients, got {type(gradients).__name__}")
+        named_parameters = dict(tree_flatten(parameters))
+        for name, gradient in tree_flatten(gradients):
+            if name not in named_parameters:
+                raise ValueError(f"gradients[{name!r}]: the model has no parameter of that name")
+            self._check_gradient(name, gradient, named_parameters[name])
+
+    def _check_gradient(self, name: str, gradient, parameter) -> None:
+        where = f"gradients[{name!r}]"
+        if isinstance(gradient, SparseGradient):
+            if self.weight_decay:
+                raise ValueError(f"weight_decay: must be 0 for the SparseGradient {where} (as in torch), "
+                                 f"got {self.weight_decay}")  # fmt: skip
+        elif not isinstance(gradient, mx.array):
+            raise TypeError(f"{where}: expected an mlx.core.array or a SparseGradient, got {type(gradient).__name__}")
+        elif not self.accepts_dense:
+            raise TypeError(
+                f"{where}: {type(self).__name__} needs SparseGradient (sparse=True tables with "
+                "seqlib.sparse.value_and_grad); got a dense mlx.core.array: use an Adam optimizer for dense parameters"
+            )
+        if tuple(gradient.shape) != tuple(parameter.shape):
+            raise ValueError(f"{where}: expected the parameter's shape {tuple(parameter.shape)}, "
+                             f"got {tuple(gradient.shape)}")  # fmt: skip
+        if gradient.dtype != parameter.dtype:
+            raise TypeError(f"{where}: expected the parameter's dtype {parameter.dtype}, got {gradient.dtype}")
+
+    def init_single(self, parameter, state: dict):
+        state["step"] = mx.array(0, mx.uint64)
+
+    def _count_step(self, state: dict) -> mx.array:
+        """This parameter's step number (1 on its first gradient), as torch's per-parameter ``step``."""
+        state["step"] = state["step"] + 1
+        return state["step"]
+
+
+class SGD(_TorchOptimizer):
     """torch.optim.SGD: ``buf = momentum * buf + (1 - dampening) * g`` (``buf = g`` at first), ``p -= lr * buf``."""
 
     def __init__(self, learning_rate, momentum: float = 0.0, weight_decay: float = 0.0, dampening: float = 0.0,
                  nesterov: bool = False):  # fmt: skip
+        super().__init__(learning_rate)
+        _check_range("momentum", momentum)
+        _check_range("weight_decay", weight_decay)
+        _real("dampening", dampening)
         if nesterov and (momentum <= 0 or dampening != 0):
-            raise ValueError("nesterov: needs momentum > 0 and dampening = 0")
-        super().__init__()
-        self._maybe_schedule("learning_rate", learning_rate)
+            raise ValueError(
+                f"nesterov: needs momentum > 0 and dampening = 0 (as in torch), got momentum={momentum}, "
+                f"dampening={dampening}"
+            )
         self.momentum, self.weight_decay, self.dampening, self.nesterov = momentum, weight_decay, dampening, nesterov
 
     def init_single(self, parameter, state: dict):
+        super().init_single(parameter, state)
         if self.momentum:
             state["buffer"] = mx.zeros(parameter.shape, parameter.dtype)
 
     def apply_single(self, gradient, parameter: mx.array, state: dict) -> mx.array:
         lr = self.learning_rate.astype(parameter.dtype)
+        step = self._count_step(state)
         if isinstance(gradient, SparseGradient):
-            if self.weight_decay:
-                raise ValueError("weight_decay: must be 0 for a sparse gradient (as in torch), got "
-                                 f"{self.weight_decay}")  # fmt: skip
+            gradient = gradient.coalesce()
             if not self.momentum:
-                rows, values = _rows(gradient)
-                return parameter.at[rows].add(-lr * values)
+                return parameter.at[gradient.indices].add(-lr * gradient.values)
             gradient = gradient.to_dense()  # momentum keeps every row it ever touched moving
         elif self.weight_decay:
             gradient = gradient + self.weight_decay * parameter
         if self.momentum:
-            first = self.step == 1
-            buffer = mx.where(first, gradient, self.momentum * state["buffer"] + (1 - self.dampening) * gradient)
+            buffer = mx.where(step == 1, gradient, self.momentum * state["buffer"] + (1 - self.dampening) * gradient)
             state["buffer"] = buffer
             gradient = gradient + self.momentum * buffer if self.nesterov else buffer
         return parameter - lr * gradient
 
 
-class Adagrad(optim.Optimizer):
+class Adagrad(_TorchOptimizer):
     """torch.optim.Adagrad: ``sum += g**2``, ``p -= lr / (1 + (t - 1) * lr_decay) * g / (sqrt(sum) + eps)``."""
 
     def __init__(self, learning_rate=0.01, lr_decay: float = 0.0, weight_decay: float = 0.0,
                  initial_accumulator_value: float = 0.0, eps: float = 1e-10):  # fmt: skip
-        super().__init__()
-        self._maybe_schedule("learning_rate", learning_rate)
+        super().__init__(learning_rate)
+        for name, value in [("lr_decay", lr_decay), ("weight_decay", weight_decay),
+                            ("initial_accumulator_value", initial_accumulator_value), ("eps", eps)]:  # fmt: skip
+            _check_range(name, value)
         self.lr_decay, self.weight_decay, self.eps = lr_decay, weight_decay, eps
         self.initial_accumulator_value = initial_accumulator_value
 
     def init_single(self, parameter, state: dict):
+        super().init_single(parameter, state)
         state["sum"] = mx.full(parameter.shape, self.initial_accumulator_value, parameter.dtype)
 
     def apply_single(self, gradient, parameter: mx.array, state: dict) -> mx.array:
-        step_size = self.learning_rate / (1 + (self.step - 1).astype(mx.float32) * self.lr_decay)
+        step = self._count_step(state)
+        step_size = self.learning_rate / (1 + (step - 1).astype(mx.float32) * self.lr_decay)
         step_size = step_size.astype(parameter.dtype)
         if isinstance(gradient, SparseGradient):
-            if self.weight_decay:
-                raise ValueError(f"weight_decay: must be 0 for a sparse gradient (as in torch), got "
-                                 f"{self.weight_decay}")  # fmt: skip
-            rows, values = _rows(gradient)
+            gradient = gradient.coalesce()  # the update is not linear: repeated rows must be summed first
+            rows, values = gradient.indices, gradient.values
             state["sum"] = state["sum"].at[rows].add(values * values)
             std = mx.sqrt(state["sum"][rows]) + self.eps
             return parameter.at[rows].add(-step_size * (values / std))
@@ -89,32 +179,38 @@ class Adagrad(optim.Optimizer):
         return parameter - step_size * gradient / (mx.sqrt(state["sum"]) + self.eps)
 
 
-class SparseAdam(optim.Optimizer):
-    """torch.optim.SparseAdam: Adam whose moments and step touch only the rows with a gradient."""
+class SparseAdam(_TorchOptimizer):
+    """torch.optim.SparseAdam: Adam whose moments and step touch only the rows with a gradient.
+
+    Like torch's, it takes only :class:`SparseGradient` (a dense gradient is a TypeError).
+    """
+
+    accepts_dense = False
 
     def __init__(self, learning_rate=0.001, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8):
-        super().__init__()
-        self._maybe_schedule("learning_rate", learning_rate)
-        self.betas, self.eps = betas, eps
+        super().__init__(learning_rate, positive_learning_rate=True)
+        _check_range("eps", eps, low_open=True)
+        if not isinstance(betas, (tuple, list)) or len(betas) != 2:
+            raise TypeError(f"betas: expected a pair (beta1, beta2), got {betas!r}")
+        for index, beta in enumerate(betas):
+            _check_range(f"betas[{index}]", beta, high=1.0, high_open=True)
+        self.betas, self.eps = tuple(betas), eps
 
     def init_single(self, parameter, state: dict):
+        super().init_single(parameter, state)
         state["exp_avg"] = mx.zeros(parameter.shape, parameter.dtype)
         state["exp_avg_sq"] = mx.zeros(parameter.shape, parameter.dtype)
 
     def apply_single(self, gradient, parameter: mx.array, state: dict) -> mx.array:
-        if not isinstance(gradient, SparseGradient):
-            raise TypeError(
-                "gradient: SparseAdam needs SparseGradient (sparse=True tables with seqlib.sparse.value_and_grad); "
-                f"got a dense {type(gradient).__name__}: use an Adam optimizer for dense parameters"
-            )
         beta1, beta2 = self.betas
-        rows, values = _rows(gradient)
+        step = self._count_step(state).astype(mx.float32)
+        gradient = gradient.coalesce()
+        rows, values = gradient.indices, gradient.values
         old_avg, old_avg_sq = state["exp_avg"][rows], state["exp_avg_sq"][rows]
         avg_update = (values - old_avg) * (1 - beta1)
         avg_sq_update = (values * values - old_avg_sq) * (1 - beta2)
         state["exp_avg"] = state["exp_avg"].at[rows].add(avg_update)
         state["exp_avg_sq"] = state["exp_avg_sq"].at[rows].add(avg_sq_update)
-        step = self.step.astype(mx.float32)
         step_size = (self.learning_rate * mx.sqrt(1 - beta2**step) / (1 - beta1**step)).astype(parameter.dtype)
         numerator = avg_update + old_avg
         denominator = mx.sqrt(avg_sq_update + old_avg_sq) + self.eps

@@ -31,24 +31,87 @@ import mlx.nn as nn
 import numpy as np
 from mlx.utils import tree_flatten, tree_unflatten
 
+from seqlib._checks import as_index_array, check_index_range, check_weight
+
 __all__ = ["SparseGradient", "value_and_grad"]
 
 
 @dataclass(frozen=True)
 class SparseGradient:
-    """The gradient of a (V, D) table as the rows that have one (torch's coalesced sparse grad)."""
+    """The gradient of a (V, D) table as the rows that have one, like torch's sparse COO ``grad``.
 
-    indices: mx.array  # (U,) sorted unique row ids
+    ``indices`` (U,) are row ids in ``[0, V)``, ``values`` (U, D) their gradient rows and
+    ``shape`` the table's ``(V, D)``; NumPy arrays are accepted and stored as MLX arrays.
+    Construction checks all three (an index outside ``[0, V)`` raises an IndexError), as
+    ``torch.sparse_coo_tensor`` does with its invariant checks on.  Like torch's, the rows
+    may repeat: a repeated row stands for the sum of its values (see :meth:`coalesce`,
+    which the optimizers apply first).  :func:`value_and_grad` gives coalesced ones:
+    sorted unique rows.
+    """
+
+    indices: mx.array  # (U,) row ids in [0, V)
     values: mx.array  # (U, D) the gradient of those rows
     shape: tuple[int, ...]  # (V, D), the shape of the table
+    _coalesced: bool | None = field(default=None, init=False, repr=False, compare=False)  # is_coalesced, cached
+
+    def __post_init__(self):
+        indices = as_index_array(self.indices, "indices")
+        if indices.ndim != 1:
+            raise ValueError(f"indices: expected a 1-D array of row ids, got shape {tuple(indices.shape)}")
+        values = _as_float_array(self.values, "values")
+        shape = _table_shape(self.shape)
+        if values.shape != (indices.size, shape[1]):
+            raise ValueError(
+                f"values: expected shape (len(indices), shape[1]) = ({indices.size}, {shape[1]}), "
+                f"got {tuple(values.shape)}"
+            )
+        check_index_range(indices, shape[0], "indices", "shape[0]")
+        for name, value in (("indices", indices), ("values", values), ("shape", shape)):
+            object.__setattr__(self, name, value)
 
     @property
     def dtype(self) -> mx.Dtype:
         return self.values.dtype
 
+    def is_coalesced(self) -> bool:
+        """Whether ``indices`` are sorted and unique (each row once), as torch's ``is_coalesced``."""
+        if self._coalesced is None:
+            increasing = self.indices.size < 2 or mx.all(self.indices[1:] > self.indices[:-1]).item()
+            object.__setattr__(self, "_coalesced", bool(increasing))
+        return self._coalesced
+
+    def coalesce(self) -> SparseGradient:
+        """The same gradient with sorted unique rows, repeated rows' values summed (torch's ``coalesce``)."""
+        if self.is_coalesced():
+            return self
+        unique, inverse = np.unique(np.asarray(self.indices), return_inverse=True)
+        summed = mx.zeros((unique.size, self.shape[1]), self.dtype).at[mx.array(inverse.astype(np.int32))]
+        return SparseGradient(mx.array(unique), summed.add(self.values), self.shape)
+
     def to_dense(self) -> mx.array:
         """The (V, D) gradient it stands for (for tests and small tables)."""
         return mx.zeros(self.shape, self.values.dtype).at[self.indices].add(self.values)
+
+
+def _as_float_array(value, name: str) -> mx.array:
+    if isinstance(value, np.ndarray) and value.dtype.kind == "f":
+        value = mx.array(value)
+    if not isinstance(value, mx.array):
+        raise TypeError(f"{name}: expected an mlx.core.array (or NumPy array) of floats, got {type(value).__name__}")
+    if not mx.issubdtype(value.dtype, mx.floating):
+        raise TypeError(f"{name}: expected a floating dtype, got {value.dtype}")
+    return value
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, (int, np.integer)) and not isinstance(value, bool)
+
+
+def _table_shape(shape) -> tuple[int, int]:
+    sizes_ok = isinstance(shape, (tuple, list)) and len(shape) == 2 and all(_is_int(size) for size in shape)
+    if not sizes_ok or min(shape) < 0:
+        raise ValueError(f"shape: expected the table's (num_embeddings, embedding_dim), two ints >= 0, got {shape!r}")
+    return (int(shape[0]), int(shape[1]))
 
 
 @dataclass
@@ -71,8 +134,13 @@ def lookup_table(module, input: mx.array):
 
     Normally that is ``(module.weight, input, module.padding_idx)``.  Inside
     :func:`value_and_grad` the first run records ``input``; the second returns
-    the gathered rows and ``input`` renumbered into them.
+    the gathered rows and ``input`` renumbered into them.  ``module`` needs a
+    (V, D) ``weight`` and a ``padding_idx`` (an int in [0, V) or None), and
+    ``input`` must hold integers (a TypeError otherwise); their range is the
+    caller's to check, and :func:`value_and_grad` checks the rows it gathers.
     """
+    _check_table_module(module)
+    input = as_index_array(input, "input")
     state = getattr(module, "_sparse_state", None)
     if isinstance(state, _Recording):
         state.calls.append(np.asarray(input).reshape(-1))
@@ -94,16 +162,54 @@ def lookup_table(module, input: mx.array):
     return state.rows, mx.array(positions.astype(np.int32)), padding_idx
 
 
+def _check_table_module(module) -> None:
+    if not isinstance(getattr(module, "weight", None), mx.array) or not hasattr(module, "padding_idx"):
+        raise TypeError(
+            "module: expected a table with a (V, D) weight and a padding_idx (such as seqlib.nn.Embedding), "
+            f"got {type(module).__name__}"
+        )
+    check_weight(module.weight, "module.weight")
+
+
 def _sparse_tables(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """The sparse=True tables that look up through :func:`lookup_table` (they carry ``_sparse_state``)."""
     return [
         (name, module)
         for name, module in model.named_modules()
-        if getattr(module, "sparse", False) and "weight" in module.trainable_parameters()
-    ]
+        if getattr(module, "sparse", False) is True and hasattr(module, "_sparse_state")
+        and "weight" in module.trainable_parameters()
+    ]  # fmt: skip
+
+
+def _scalar_loss(fn):
+    """``fn``, checking that it returns a scalar floating loss (or a tuple that starts with one)."""
+
+    def loss(*args, **kwargs):
+        output = fn(*args, **kwargs)
+        value = output[0] if isinstance(output, (tuple, list)) and output else output
+        if not isinstance(value, mx.array) or not mx.issubdtype(value.dtype, mx.floating):
+            got = value.dtype if isinstance(value, mx.array) else type(value).__name__
+            raise TypeError(f"fn: must return a floating mlx.core.array loss (or a tuple starting with one), got {got}")
+        if value.ndim != 0:
+            raise ValueError(f"fn: must return a scalar loss (shape ()), got shape {tuple(value.shape)}")
+        return output
+
+    return loss
 
 
 def value_and_grad(model: nn.Module, fn):
-    """Like :func:`mlx.nn.value_and_grad`, with :class:`SparseGradient` for ``sparse=True`` tables."""
+    """Like :func:`mlx.nn.value_and_grad`, with :class:`SparseGradient` for ``sparse=True`` tables.
+
+    ``fn`` must return a scalar (shape ``()``) floating loss, or a tuple starting with
+    one, as MLX requires (torch also takes a one-element loss such as shape ``(1,)``;
+    here that is a ValueError).  A table that looks up no rows (an empty batch) gets
+    an empty :class:`SparseGradient`, as torch's sparse ``grad`` has no entries then.
+    """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model: expected an mlx.nn.Module, got {type(model).__name__}")
+    if not callable(fn):
+        raise TypeError(f"fn: expected a callable returning the loss, got {type(fn).__name__}")
+    fn = _scalar_loss(fn)
 
     def loss_and_grads(*args, **kwargs):
         tables = _sparse_tables(model)
@@ -133,17 +239,18 @@ def _record_rows(tables, fn, args, kwargs) -> list[np.ndarray]:
         table._sparse_state = _Recording()
     fn(*args, **kwargs)
     unique_rows = []
-    for _, table in tables:
+    for name, table in tables:
         calls = table._sparse_state.calls
-        unique_rows.append(np.unique(np.concatenate(calls)) if calls else np.zeros(0, np.int64))
+        unique = np.unique(np.concatenate(calls)) if calls else np.zeros(0, np.int64)
+        check_index_range(mx.array(unique), table.weight.shape[0], f"input of {name or 'model'}")
+        unique_rows.append(unique)
     return unique_rows
 
 
 def _differentiate(model, tables, unique_rows, fn, args, kwargs):
     """Second run: gradients of the dense parameters and of the gathered rows."""
     states = [_Rows(unique) for unique in unique_rows]
-    rows = [mx.take(table.weight, mx.array(unique.astype(np.int32)), axis=0) for (_, table), unique in
-            zip(tables, unique_rows, strict=True)]  # fmt: skip
+    rows = [_gather_rows(table.weight, unique) for (_, table), unique in zip(tables, unique_rows, strict=True)]
 
     def loss_of(dense_params, table_rows):
         model.update(dense_params)
@@ -162,3 +269,10 @@ def _differentiate(model, tables, unique_rows, fn, args, kwargs):
         for _, table in tables:
             table.unfreeze(keys=["weight"])
     return value, dense_grads, row_grads
+
+
+def _gather_rows(weight: mx.array, unique: np.ndarray) -> mx.array:
+    """The rows ``unique`` (checked by :func:`_record_rows`); one unread zero row when there are none."""
+    if unique.size == 0:  # MLX cannot differentiate a lookup into a (0, D) array; this row's gradient is dropped
+        return mx.zeros((1, weight.shape[1]), weight.dtype)
+    return mx.take(weight, mx.array(unique.astype(np.int32)), axis=0)
