@@ -30,12 +30,14 @@ class BagLayout:
     bag_order: np.ndarray  # (B,) the bags in the order they come out: bucket by bucket, then empty bags
 
 
-def checked_offsets(offsets, input_size: int) -> np.ndarray:
-    """``offsets`` as int64 NumPy, after checking torch's rules (starts at 0, non-decreasing, within input)."""
+def checked_offsets(offsets, input_size: int, allow_empty: bool = False) -> np.ndarray:
+    """``offsets`` as int64 NumPy, after checking torch's rules (1-D, starts at 0, non-decreasing, within input)."""
     offsets = np.asarray(as_index_array(offsets, "offsets")).astype(np.int64)
     if offsets.ndim != 1:
         raise ValueError(f"offsets: expected a 1-D array, got shape {offsets.shape}")
     if offsets.size == 0:
+        if allow_empty:
+            return offsets
         raise ValueError("offsets: expected at least one element, got an empty array")
     if offsets[0] != 0:
         raise ValueError(f"offsets: the first bag must start at 0, got offsets[0] = {offsets[0]}")
@@ -53,10 +55,32 @@ def checked_offsets(offsets, input_size: int) -> np.ndarray:
     return offsets
 
 
+def bag_bounds(offsets, input_size: int, include_last_offset: bool) -> np.ndarray:
+    """The bags' bounds (B + 1,) as int64 NumPy: bag ``b`` holds entries ``bounds[b]:bounds[b + 1]``.
+
+    Without ``include_last_offset`` the last bag runs to the end of input, and empty
+    ``offsets`` mean no bags (as in torch).  With it, ``offsets`` are the bounds and must
+    end at ``input_size``: torch disagrees with itself about entries after the last
+    offset (its sum/mean kernels drop them, its max and padding_idx kernels put them
+    in the last bag; pytorch#52851), so seqlib refuses them.
+    """
+    offsets = checked_offsets(offsets, input_size, allow_empty=not include_last_offset)
+    if not include_last_offset:
+        return np.append(offsets, input_size) if offsets.size else np.zeros(1, np.int64)
+    if offsets[-1] != input_size:
+        raise ValueError(
+            f"offsets: with include_last_offset=True the last offset must be the length of input ({input_size}), "
+            f"got offsets[-1] = {offsets[-1]}; torch is inconsistent about the entries after it (pytorch#52851): "
+            f"pass input[:{offsets[-1]}] to leave them out"
+        )
+    return offsets
+
+
 def flatten_bags(input, offsets, per_sample_weights, include_last_offset: bool):
     """torch's two input forms -> (flat indices (N,), offsets, flat weights or None, include_last_offset).
 
     A 2-D input's rows are its bags, so ``include_last_offset`` does not apply to it (as in torch).
+    ``per_sample_weights`` must already have been checked to have the input's shape.
     """
     indices = as_index_array(input, "input")
     if indices.ndim == 2:
@@ -65,8 +89,8 @@ def flatten_bags(input, offsets, per_sample_weights, include_last_offset: bool):
                 f"offsets: must be None when input is 2-D (each row is one bag), got {type(offsets).__name__}"
             )
         num_bags, bag_size = indices.shape
-        offsets = mx.arange(0, num_bags * bag_size, max(bag_size, 1)) if bag_size else mx.zeros(num_bags, mx.int32)
-        if per_sample_weights is not None and tuple(per_sample_weights.shape) == tuple(indices.shape):
+        offsets = mx.arange(0, num_bags * bag_size, bag_size) if bag_size else mx.zeros(num_bags, mx.int32)
+        if per_sample_weights is not None:
             per_sample_weights = per_sample_weights.reshape(-1)
         indices = indices.reshape(-1)
         include_last_offset = False
@@ -81,14 +105,12 @@ def flatten_bags(input, offsets, per_sample_weights, include_last_offset: bool):
 def bag_layout(indices: mx.array, offsets, include_last_offset: bool, padding_idx: int | None) -> BagLayout:
     """Check ``offsets`` against the flat ``indices`` and group the bags into buckets."""
     total = indices.size
-    offsets = checked_offsets(offsets, total)
-    starts = offsets[:-1] if include_last_offset else offsets
-    ends = offsets[1:] if include_last_offset else np.append(offsets[1:], total)
+    bounds = bag_bounds(offsets, total, include_last_offset)
+    starts, ends = bounds[:-1], bounds[1:]
     num_bags = starts.size
 
     bag_of_entry = np.full(total, -1, dtype=np.int64)  # -1: in no bag (past the last offset)
-    covered = int(ends[-1]) if num_bags else 0
-    bag_of_entry[:covered] = np.repeat(np.arange(num_bags), ends - starts)
+    bag_of_entry[: bounds[-1]] = np.repeat(np.arange(num_bags), ends - starts)
     counted = bag_of_entry >= 0
     if padding_idx is not None:
         counted &= np.asarray(indices) != padding_idx

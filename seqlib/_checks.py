@@ -16,8 +16,14 @@ import numpy as np
 
 
 def as_index_array(value, name: str) -> mx.array:
-    """Return ``value`` as an MLX integer array, or raise a TypeError."""
+    """Return ``value`` (an MLX or NumPy integer array) as an MLX array, or raise a TypeError.
+
+    Floats are refused rather than truncated, bools rather than read as 0 and 1, and
+    Python lists as in torch (build an array first).
+    """
     if isinstance(value, np.ndarray):
+        if not np.issubdtype(value.dtype, np.integer):
+            raise TypeError(f"{name}: expected an integer dtype (int32, int64, uint32, ...), got NumPy {value.dtype}")
         value = mx.array(value)
     if not isinstance(value, mx.array):
         raise TypeError(f"{name}: expected an mlx.core.array of integers, got {type(value).__name__}")
@@ -47,6 +53,15 @@ def check_positive_ints(**values) -> None:
             raise ValueError(f"{name}: expected a positive int, got {value!r}")
 
 
+def check_table_sizes(**values) -> None:
+    """Raise unless each of ``values`` is an int >= 0 (torch allows empty tables): TypeError, else ValueError."""
+    for name, value in values.items():
+        if not isinstance(value, (int, np.integer)) or isinstance(value, bool):
+            raise TypeError(f"{name}: expected an int >= 0, got {type(value).__name__} {value!r}")
+        if value < 0:
+            raise ValueError(f"{name}: expected an int >= 0, got {value}")
+
+
 def normalize_padding_idx(padding_idx: int | None, num_embeddings: int) -> int | None:
     """Map a negative ``padding_idx`` to its row as torch does, after checking its range."""
     if padding_idx is None:
@@ -61,10 +76,25 @@ def normalize_padding_idx(padding_idx: int | None, num_embeddings: int) -> int |
     return int(padding_idx) % num_embeddings
 
 
-def check_max_norm(max_norm: float | None, norm_type: float) -> None:
-    if max_norm is not None and not (isinstance(max_norm, (int, float)) and max_norm > 0):
-        raise ValueError(f"max_norm: expected a positive number or None, got {max_norm!r}")
-    if not isinstance(norm_type, (int, float)) or math.isnan(norm_type) or norm_type <= 0:
+def _is_number(value) -> bool:
+    return isinstance(value, (int, float, np.integer, np.floating)) and not isinstance(value, bool)
+
+
+def check_max_norm(max_norm: float | None, norm_type: float, required: bool = False) -> None:
+    """Check renormalisation's arguments: ``max_norm`` >= 0 (None allowed unless ``required``), ``norm_type`` > 0.
+
+    torch accepts a negative ``max_norm`` (it flips the rows' signs) and ``norm_type`` <= 0
+    (no norm); seqlib refuses both.  ``max_norm=0`` zeroes the rows looked up, as in torch.
+    """
+    if max_norm is None and required:
+        raise TypeError("max_norm: expected a number >= 0, got None")
+    if max_norm is not None and not _is_number(max_norm):
+        raise TypeError(f"max_norm: expected a number >= 0 or None, got {type(max_norm).__name__} {max_norm!r}")
+    if max_norm is not None and not max_norm >= 0:  # NaN fails too
+        raise ValueError(f"max_norm: expected a number >= 0 or None, got {max_norm!r}")
+    if not _is_number(norm_type):
+        raise TypeError(f"norm_type: expected a positive number (inf allowed), got {type(norm_type).__name__}")
+    if math.isnan(norm_type) or norm_type <= 0:
         raise ValueError(f"norm_type: expected a positive number (inf allowed), got {norm_type!r}")
 
 
@@ -77,3 +107,25 @@ def check_weight(weight, name: str = "weight") -> None:
         )
     if not mx.issubdtype(weight.dtype, mx.floating):
         raise TypeError(f"{name}: expected a floating dtype, got {weight.dtype}")
+
+
+def check_per_sample_weights(per_sample_weights, mode: str, shape: tuple, dtype, of: str = "input") -> None:
+    """Raise unless ``per_sample_weights`` is None or fits: mode "sum", ``shape`` (that of ``of``), ``dtype``.
+
+    As torch: only ``mode="sum"`` weights its entries, and the weights must have the
+    input's exact shape (a 2-D input's weights are 2-D too) and the table's dtype.
+    """
+    if per_sample_weights is None:
+        return
+    if mode != "sum":
+        raise ValueError(f"per_sample_weights: only supported with mode='sum', got mode={mode!r}")
+    if not isinstance(per_sample_weights, mx.array):
+        raise TypeError(f"per_sample_weights: expected an mlx.core.array, got {type(per_sample_weights).__name__}")
+    if per_sample_weights.dtype != dtype:
+        raise TypeError(
+            f"per_sample_weights: expected the dtype of weight ({dtype}), got {per_sample_weights.dtype}"
+        )
+    if tuple(per_sample_weights.shape) != tuple(shape):
+        raise ValueError(
+            f"per_sample_weights: expected the shape of {of} {tuple(shape)}, got {tuple(per_sample_weights.shape)}"
+        )

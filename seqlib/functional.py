@@ -14,11 +14,12 @@ import mlx.core as mx
 import numpy as np
 
 from seqlib import kernels
-from seqlib._bags import bag_layout, checked_offsets, flatten_bags
+from seqlib._bags import bag_bounds, bag_layout, flatten_bags
 from seqlib._checks import (
     as_index_array,
     check_index_range,
     check_max_norm,
+    check_per_sample_weights,
     check_weight,
     normalize_padding_idx,
 )
@@ -46,9 +47,11 @@ def embedding_renorm(weight: mx.array, input: mx.array, max_norm: float, norm_ty
     This is torch's in-place ``embedding_renorm_`` written functionally: each
     *looked-up* row whose norm exceeds ``max_norm`` is multiplied by
     ``max_norm / (norm + 1e-7)``; all other rows are returned unchanged.
+    ``max_norm`` must be a number >= 0 (torch's negative values flip rows' signs:
+    refused), ``norm_type`` > 0.
     """
     check_weight(weight)
-    check_max_norm(max_norm, norm_type)
+    check_max_norm(max_norm, norm_type, required=True)
     indices = as_index_array(input, "input")
     check_index_range(indices, weight.shape[0], "input")
     unique_rows = mx.array(np.unique(np.asarray(indices).reshape(-1)).astype(np.int32))
@@ -157,26 +160,21 @@ def _check_mode(mode: str, sparse: bool, scale_grad_by_freq: bool) -> None:
         raise ValueError("scale_grad_by_freq: not supported with mode='max' (as in torch)")
 
 
-def _check_per_sample_weights(per_sample_weights, indices: mx.array, mode: str) -> None:
-    if per_sample_weights is None:
-        return
-    if mode != "sum":
-        raise ValueError(f"per_sample_weights: only supported with mode='sum', got mode={mode!r}")
-    if not isinstance(per_sample_weights, mx.array):
-        raise TypeError(f"per_sample_weights: expected an mlx.core.array, got {type(per_sample_weights).__name__}")
-    if not mx.issubdtype(per_sample_weights.dtype, mx.floating):
-        raise TypeError(f"per_sample_weights: expected a floating dtype, got {per_sample_weights.dtype}")
-    if tuple(per_sample_weights.shape) != tuple(indices.shape):
-        raise ValueError(
-            f"per_sample_weights: expected the shape of input {tuple(indices.shape)}, "
-            f"got {tuple(per_sample_weights.shape)}"
-        )
+def _max_winners(rows: mx.array) -> mx.array:
+    """For (n, length, D) rows of n bags, the entry each column's max comes from: (n, D).
+
+    torch's rule (its CPU kernel, and seqlib's Metal kernel): start at the bag's first
+    entry and move only to a strictly greater value.  So the first of equal values wins,
+    and NaN (never greater, nor less) wins only as the first entry: later NaNs are skipped.
+    """
+    winners = mx.argmax(mx.where(mx.isnan(rows), -mx.inf, rows), axis=1)  # first of the largest non-NaNs
+    return mx.where(mx.isnan(rows[:, 0]), 0, winners)
 
 
 def _reduce_bucket(rows: mx.array, weights: mx.array | None, mode: str) -> mx.array:
     """Reduce (n, length, D) rows of n equally long bags to (n, D)."""
-    if mode == "max":
-        return mx.max(rows, axis=1)  # its gradient goes to the arg-max entry: see _max_entries_gradient
+    if mode == "max":  # its gradient goes to the same entry: see _max_entries_gradient
+        return mx.take_along_axis(rows, mx.expand_dims(_max_winners(rows), 1), axis=1).squeeze(1)
     if weights is not None:
         rows = rows * weights[..., None]
     total = mx.sum(rows, axis=1)
@@ -229,12 +227,12 @@ def _pool_buckets(rows: mx.array, entry_weights: mx.array | None, shapes: list[t
 
 
 def _max_entries_gradient(rows, cotangent, row_blocks, shapes) -> mx.array:
-    """Scatter each bag's output gradient onto the entry that won its max (first one, as torch)."""
+    """Scatter each bag's output gradient onto the entry that won its max (see _max_winners)."""
     num_rows, embedding_dim = rows.shape
     columns = mx.arange(embedding_dim)
     targets, first_entry = [], 0
     for block, (bags, length) in zip(row_blocks, shapes, strict=True):
-        winner = mx.argmax(block.reshape(bags, length, embedding_dim), axis=1)  # (bags, D)
+        winner = _max_winners(block.reshape(bags, length, embedding_dim))  # (bags, D)
         entry = first_entry + mx.arange(bags)[:, None] * length + winner
         targets.append((entry * embedding_dim + columns).reshape(-1))
         first_entry += bags * length
@@ -262,11 +260,20 @@ def embedding_bag(
     ``offsets`` (B,) giving where each bag starts (with ``include_last_offset=True``,
     ``offsets`` has B + 1 entries and the last one is where the last bag ends).
     Entries equal to ``padding_idx`` are left out (not counted by ``mean``); an empty
-    bag gives zeros in every mode.  ``per_sample_weights`` (the shape of ``input``)
-    weight each entry, in ``mode="sum"`` only.  Returns (B, D).
+    bag gives zeros in every mode.  ``per_sample_weights`` (the shape of ``input``, the
+    dtype of ``weight``) weight each entry, in ``mode="sum"`` only.  Returns (B, D).
+
+    ``mode="max"`` follows torch's CPU kernel: each column starts at the bag's first
+    entry and moves only to a strictly greater value, so a NaN is the result only where
+    it is the first entry, and the gradient goes to the entry that won.  Empty inputs
+    give empty results as in torch: (0, N) or empty ``offsets`` -> (0, D); a (B, 0) input
+    gives (B, D) zeros (torch 2.13 fails inside its own ``arange`` there).  With
+    ``include_last_offset=True`` the last offset must be ``len(input)``: torch's kernels
+    disagree about entries after it (pytorch#52851), so seqlib raises a ValueError.
     """
     check_weight(weight)
     _check_mode(mode, sparse, scale_grad_by_freq)
+    check_per_sample_weights(per_sample_weights, mode, as_index_array(input, "input").shape, weight.dtype)
     indices, offsets, flat_weights, include_last_offset = flatten_bags(
         input, offsets, per_sample_weights, include_last_offset
     )
@@ -274,10 +281,8 @@ def embedding_bag(
     check_index_range(indices, num_embeddings, "input")
     padding_idx = normalize_padding_idx(padding_idx, num_embeddings)
     check_max_norm(max_norm, norm_type)
-    _check_per_sample_weights(flat_weights, indices, mode)
     if kernels.backend() == "metal" and not scale_grad_by_freq:
-        offsets = checked_offsets(offsets, indices.size)
-        ends = offsets if include_last_offset else np.append(offsets, indices.size)
+        ends = bag_bounds(offsets, indices.size, include_last_offset)
         if max_norm is not None:
             weight = renorm_for_lookup(weight, indices, max_norm, norm_type)
         flat = indices.astype(mx.int32)

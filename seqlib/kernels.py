@@ -36,7 +36,9 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 
+from seqlib._bags import checked_offsets
 from seqlib._checks import as_index_array, check_index_range, check_max_norm
+from seqlib._checks import check_per_sample_weights, normalize_padding_idx
 
 __all__ = [
     "BACKENDS",
@@ -446,9 +448,11 @@ def sequence_kernel_serves(batch: int, hidden_size: int) -> bool:
 # is never checked twice on the way to a kernel.
 
 
-def _check_table(weight) -> tuple[int, int]:
+def _check_table(weight, padding_idx=None) -> tuple[int, int, int | None]:
+    """``(V, D, padding row)``: weight must be a (V, D) float array; padding_idx in [-V, V) or None, as in torch."""
     _check_float("weight", weight, 2)
-    return weight.shape
+    num_embeddings, embedding_dim = weight.shape
+    return num_embeddings, embedding_dim, normalize_padding_idx(padding_idx, num_embeddings)
 
 
 def _checked_indices(name: str, indices, num_embeddings: int) -> mx.array:
@@ -480,17 +484,15 @@ def _embedding_backward(d_out, flat_indices, num_embeddings, padding_idx, grad_s
 def embedding(weight: mx.array, indices: mx.array, padding_idx: int | None = None, grad_scale=None) -> mx.array:
     """Differentiable lookup through embedding_gather.metal, gradient by embedding_backward.metal.
 
-    indices: any shape, values in [0, V); padding_idx: a row in [0, V) that gets
-    no gradient, or None; grad_scale: (N,) float32 factor per lookup, or None.
-    Returns (*indices.shape, D).
+    indices: any shape, integers in [0, V); padding_idx: a row in [-V, V) (negative
+    counts from the end, as in torch) that gets no gradient, or None; grad_scale: (N,)
+    float factor per lookup (N = indices.size), or None.  Returns (*indices.shape, D).
     """
-    num_embeddings, _ = _check_table(weight)
+    num_embeddings, _, padding_idx = _check_table(weight, padding_idx)
     flat = _checked_indices("indices", indices, num_embeddings)
-    if padding_idx is not None and not 0 <= padding_idx < num_embeddings:
-        raise ValueError(f"padding_idx: expected a row in [0, {num_embeddings}) or None, got {padding_idx}")
-    if grad_scale is not None and tuple(grad_scale.shape) != (flat.size,):
-        raise ValueError(f"grad_scale: expected shape ({flat.size},), got {tuple(grad_scale.shape)}")
-    return _embedding(weight, flat.reshape(indices.shape), padding_idx, grad_scale)
+    if grad_scale is not None:
+        _check_shape("grad_scale", grad_scale, (flat.size,))
+    return _embedding(weight, flat.reshape(tuple(indices.shape)), padding_idx, grad_scale)
 
 
 def _embedding(weight, indices, padding_idx, grad_scale) -> mx.array:
@@ -498,7 +500,7 @@ def _embedding(weight, indices, padding_idx, grad_scale) -> mx.array:
     num_embeddings, embedding_dim = weight.shape
     shape = tuple(indices.shape)
     flat = indices.reshape(-1).astype(mx.int32)
-    if flat.size == 0:
+    if flat.size == 0 or embedding_dim == 0:  # nothing to launch (torch: an empty result too)
         return mx.zeros((*shape, embedding_dim), weight.dtype)
     gather = _kernel("embedding_gather", ("weight", "indices"), ("out",))
 
@@ -526,21 +528,19 @@ def embedding_renorm_scales(weight: mx.array, rows: mx.array, max_norm: float, n
     """embedding_renorm.metal: for each of ``rows`` (U,) the factor that brings it inside ``max_norm``.
 
     Returns (U,) float32: ``max_norm / (norm + 1e-7)`` where the row's ``norm_type``-norm
-    exceeds ``max_norm``, else 1.
+    exceeds ``max_norm``, else 1.  ``max_norm`` >= 0, ``norm_type`` > 0 (inf allowed).
     """
-    num_embeddings, _ = _check_table(weight)
+    num_embeddings, _, _ = _check_table(weight)
     flat_rows = _checked_indices("rows", rows, num_embeddings)
-    if max_norm is None:
-        raise ValueError("max_norm: expected a positive number, got None")
-    check_max_norm(max_norm, norm_type)
+    check_max_norm(max_norm, norm_type, required=True)
     return _embedding_renorm_scales(weight, flat_rows, max_norm, norm_type)
 
 
 def _embedding_renorm_scales(weight, flat_rows, max_norm, norm_type) -> mx.array:
     """:func:`embedding_renorm_scales` for checked arguments: flat_rows (U,) int32 in range."""
     embedding_dim = weight.shape[1]
-    if flat_rows.size == 0:
-        return mx.zeros((0,), mx.float32)
+    if flat_rows.size == 0 or embedding_dim == 0:  # an empty row has norm 0: never rescaled
+        return mx.ones((flat_rows.size,), mx.float32)
     norm_code = 0 if np.isinf(norm_type) else _NORM_CODES.get(float(norm_type), 3)
     threads = min(1024, -(-embedding_dim // 32) * 32)
     kernel = _kernel("embedding_renorm", ("weight", "rows", "max_norm", "norm_type"), ("scale",))
@@ -558,19 +558,21 @@ BAG_MODES = {"sum": 0, "mean": 1, "max": 2}
 _BAG_INPUTS = ("d_out", "indices", "bag_of_entry", "bag_size", "per_sample_weights", "max_entry", "padding_idx")
 
 
-def _checked_bags(weight, indices, offsets, mode: str, padding_idx):
-    """The checks embedding_bag and embedding_bag_sparse_rows share: returns flat int32 indices and bag ends."""
-    num_embeddings, _ = _check_table(weight)
+def _checked_bags(weight, indices, offsets, mode: str, per_sample_weights, padding_idx):
+    """The checks embedding_bag and embedding_bag_sparse_rows share.
+    indices = as_index_array(indices, "indices")
+    if indices.ndim != 1:
+        raise ValueError(f"indices: expected a 1-D array (bags come from offsets), got shape {tuple(indices.shape)}")
+
+    Returns flat int32 indices, the bag ends (B + 1,) as NumPy and the padding row.
+    """
+    num_embeddings, _, padding_idx = _check_table(weight, padding_idx)
     if mode not in BAG_MODES:
         raise ValueError(f"mode: expected one of {tuple(BAG_MODES)}, got {mode!r}")
     flat = _checked_indices("indices", indices, num_embeddings)
-    ends = np.asarray(offsets).astype(np.int64).reshape(-1)
-    if ends.size < 1 or ends[0] != 0 or np.any(np.diff(ends) < 0) or ends[-1] > flat.size:
-        raise ValueError(
-            f"offsets: expected B + 1 non-decreasing values from 0 to at most len(indices)={flat.size}, "
-            f"got {ends.tolist()[:8]}{'...' if ends.size > 8 else ''}"
-        )
-    return flat, ends
+    ends = checked_offsets(offsets, flat.size)
+    check_per_sample_weights(per_sample_weights, mode, (flat.size,), weight.dtype, of="indices")
+    return flat, ends, padding_idx
 
 
 def _bag_membership(flat: mx.array, ends: np.ndarray, padding_idx):
@@ -609,16 +611,15 @@ def embedding_bag(
 ) -> mx.array:
     """Differentiable bags through embedding_bag.metal; gradients by the backward kernels.
 
-    indices (N,) in [0, V); offsets (B + 1,): bag b holds ``indices[offsets[b]:offsets[b + 1]]``
-    (the CSR form with the end included); per_sample_weights (N,) in mode "sum" only.
-    Returns (B, D).  ``mx.grad`` reaches ``weight`` (embedding_bag_backward.metal) and
+    indices (N,) integers in [0, V); offsets (B + 1,) integers: bag b holds
+    ``indices[offsets[b]:offsets[b + 1]]`` (the CSR form with the end included; entries
+    after the last offset are in no bag); per_sample_weights (N,) of weight's dtype, in
+    mode "sum" only; padding_idx in [-V, V) or None.  Returns (B, D); max mode as torch's
+    CPU kernel (the first entry, then only strictly greater values: NaN only as the first).
+    ``mx.grad`` reaches ``weight`` (embedding_bag_backward.metal) and
     ``per_sample_weights`` (embedding_bag_per_sample_weights_backward.metal).
     """
-    flat, ends = _checked_bags(weight, indices, offsets, mode, padding_idx)
-    if per_sample_weights is not None:
-        if mode != "sum":
-            raise ValueError(f"per_sample_weights: only supported with mode='sum', got mode={mode!r}")
-        _check_shape("per_sample_weights", per_sample_weights, (flat.size,))
+    flat, ends, padding_idx = _checked_bags(weight, indices, offsets, mode, per_sample_weights, padding_idx)
     return _embedding_bag(weight, flat, ends, mode, per_sample_weights, padding_idx)
 
 
@@ -627,7 +628,7 @@ def _embedding_bag(weight, flat, ends: np.ndarray, mode, per_sample_weights, pad
     ends, bag_of_entry, bag_size = _bag_membership(flat, ends, padding_idx)
     num_bags, embedding_dim = ends.size - 1, weight.shape[1]
     weighted = per_sample_weights is not None
-    if flat.size == 0 or num_bags == 0:
+    if flat.size == 0 or num_bags == 0 or embedding_dim == 0:  # nothing to launch: empty bags give zeros
         return mx.zeros((num_bags, embedding_dim), weight.dtype)
     mode_code = BAG_MODES[mode]
     padding = _padding(padding_idx)
@@ -685,12 +686,12 @@ def embedding_bag_sparse_rows(
     Row n is what entry n sends to ``weight[indices[n]]`` (torch's uncoalesced sparse
     gradient: adding rows with equal indices gives the dense gradient's rows).
     """
-    flat, ends = _checked_bags(weight, indices, offsets, mode, padding_idx)
+    flat, ends, padding_idx = _checked_bags(weight, indices, offsets, mode, per_sample_weights, padding_idx)
     ends, bag_of_entry, bag_size = _bag_membership(flat, ends, padding_idx)
     embedding_dim = weight.shape[1]
-    _check_shape("d_out", d_out, (ends.size - 1, embedding_dim))
+    _check_shape("d_out", d_out, (ends.size - 1, embedding_dim), weight.dtype)
     weighted = per_sample_weights is not None
-    if flat.size == 0:
+    if flat.size == 0 or embedding_dim == 0:
         return mx.zeros((0, embedding_dim), d_out.dtype)
     max_entry = mx.full((1,), -1, mx.int32)
     if mode == "max":

@@ -102,8 +102,8 @@ def test_half_precision_lookup_matches_float32(dtype):
         (lambda: F.embedding([0, 1], mx.zeros((5, 2))), TypeError, ["input", "list"]),
         (lambda: F.embedding(mx.array([0]), mx.zeros((5,))), ValueError, ["weight", "2-D", "(5,)"]),
         (lambda: seqlib.nn.Embedding(5, 2, padding_idx=5), ValueError, ["padding_idx", "[-5, 5)", "5"]),
-        (lambda: seqlib.nn.Embedding(5, 2, max_norm=0.0), ValueError, ["max_norm", "positive", "0.0"]),
-        (lambda: seqlib.nn.Embedding(0, 2), ValueError, ["num_embeddings", "0"]),
+        (lambda: seqlib.nn.Embedding(5, 2, max_norm=-0.5), ValueError, ["max_norm", ">= 0", "-0.5"]),
+        (lambda: seqlib.nn.Embedding(-1, 2), ValueError, ["num_embeddings", "-1"]),
     ],
 )
 def test_bad_input_raises_a_clear_error_at_the_call(call, error, words):

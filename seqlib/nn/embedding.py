@@ -7,21 +7,26 @@ import mlx.nn as nn
 
 from seqlib import functional as F
 from seqlib import sparse
-from seqlib._checks import check_max_norm, check_positive_ints, check_weight, normalize_padding_idx
+from seqlib._checks import check_max_norm, check_table_sizes, check_weight, normalize_padding_idx
 from seqlib.interop import TorchStateDictMixin, register_from_torch, to_mlx_array
 
 _TORCH_DTYPES = {"torch.float32": mx.float32, "torch.float16": mx.float16, "torch.bfloat16": mx.bfloat16}
 
 
 class _Table(TorchStateDictMixin, nn.Module):
-    """What Embedding and EmbeddingBag share: the (V, D) ``weight`` and its options."""
+    """What Embedding and EmbeddingBag share: the (V, D) ``weight`` and its options.
+
+    Sizes may be 0, as in torch (an empty table); ``_weight`` (V, D), as torch's, is
+    taken as the weight instead of a random one (its padding row left as given),
+    ``_freeze`` freezes it.
+    """
 
     def __init__(self, num_embeddings, embedding_dim, padding_idx, max_norm, norm_type, scale_grad_by_freq,
-                 sparse, dtype):  # fmt: skip
+                 sparse, dtype, _weight=None, _freeze=False):  # fmt: skip
         super().__init__()
-        check_positive_ints(num_embeddings=num_embeddings, embedding_dim=embedding_dim)
-        if not mx.issubdtype(dtype, mx.floating):
-            raise TypeError(f"dtype: expected a floating dtype, got {dtype}")
+        check_table_sizes(num_embeddings=num_embeddings, embedding_dim=embedding_dim)
+        if not isinstance(dtype, mx.Dtype) or not mx.issubdtype(dtype, mx.floating):
+            raise TypeError(f"dtype: expected a floating mlx.core.Dtype, got {dtype!r}")
         check_max_norm(max_norm, norm_type)
         self.num_embeddings = num_embeddings
         self.embedding_dim = embedding_dim
@@ -31,10 +36,15 @@ class _Table(TorchStateDictMixin, nn.Module):
         self.scale_grad_by_freq = scale_grad_by_freq
         self.sparse = sparse
         self._sparse_state = None  # set only inside seqlib.sparse.value_and_grad
-        weight = mx.random.normal((num_embeddings, embedding_dim)).astype(dtype)  # N(0, 1), like torch
-        if self.padding_idx is not None:
-            weight[self.padding_idx] = 0
-        self.weight = weight
+        if _weight is not None:
+            self.weight = _checked_weight(_weight, (num_embeddings, embedding_dim))
+        else:
+            weight = mx.random.normal((num_embeddings, embedding_dim)).astype(dtype)  # N(0, 1), like torch
+            if self.padding_idx is not None:
+                weight[self.padding_idx] = 0
+            self.weight = weight
+        if _freeze:
+            self.freeze()
 
     @classmethod
     def _wrap(cls, embeddings: mx.array, freeze: bool, **options):
@@ -46,12 +56,20 @@ class _Table(TorchStateDictMixin, nn.Module):
             module.freeze()
         return module
 
-    def _table_for(self, input: mx.array):
-        """``(table, input, padding_idx)`` to look up from, renormalising first if asked."""
+    def _look_up(self, lookup, input: mx.array):
+        """``lookup(table, input, padding_idx)``, renormalising first if asked.
+
+        The renormalised table replaces ``self.weight`` only once the lookup has
+        accepted its arguments, so a call that raises leaves the module unchanged.
+        """
         table, input, padding_idx = sparse.lookup_table(self, input)
-        if self.max_norm is not None and table is self.weight:
-            self.weight = table = F.renorm_for_lookup(self.weight, input, self.max_norm, self.norm_type)
-        return table, input, padding_idx
+        renorm = self.max_norm is not None and table is self.weight
+        if renorm:
+            table = F.renorm_for_lookup(self.weight, input, self.max_norm, self.norm_type)
+        output = lookup(table, input, padding_idx)
+        if renorm:
+            self.weight = table
+        return output
 
     def _extra_repr(self) -> str:
         text = f"{self.num_embeddings}, {self.embedding_dim}"
@@ -90,9 +108,12 @@ class Embedding(_Table):
         scale_grad_by_freq: bool = False,
         sparse: bool = False,
         dtype: mx.Dtype = mx.float32,
+        *,
+        _weight: mx.array | None = None,
+        _freeze: bool = False,
     ):
         super().__init__(num_embeddings, embedding_dim, padding_idx, max_norm, norm_type, scale_grad_by_freq,
-                         sparse, dtype)  # fmt: skip
+                         sparse, dtype, _weight, _freeze)  # fmt: skip
 
     @classmethod
     def from_pretrained(
@@ -110,8 +131,10 @@ class Embedding(_Table):
                          scale_grad_by_freq=scale_grad_by_freq, sparse=sparse)  # fmt: skip
 
     def __call__(self, input: mx.array) -> mx.array:
-        table, input, padding_idx = self._table_for(input)
-        return F.embedding(input, table, padding_idx, None, self.norm_type, self.scale_grad_by_freq, self.sparse)
+        def lookup(table, input, padding_idx):
+            return F.embedding(input, table, padding_idx, None, self.norm_type, self.scale_grad_by_freq, self.sparse)
+
+        return self._look_up(lookup, input)
 
 
 class EmbeddingBag(_Table):
@@ -135,10 +158,13 @@ class EmbeddingBag(_Table):
         include_last_offset: bool = False,
         padding_idx: int | None = None,
         dtype: mx.Dtype = mx.float32,
+        *,
+        _weight: mx.array | None = None,
+        _freeze: bool = False,
     ):
         F._check_mode(mode, sparse, scale_grad_by_freq)
         super().__init__(num_embeddings, embedding_dim, padding_idx, max_norm, norm_type, scale_grad_by_freq,
-                         sparse, dtype)  # fmt: skip
+                         sparse, dtype, _weight, _freeze)  # fmt: skip
         self.mode = mode
         self.include_last_offset = include_last_offset
 
@@ -166,11 +192,22 @@ class EmbeddingBag(_Table):
 
     def __call__(self, input: mx.array, offsets: mx.array | None = None,
                  per_sample_weights: mx.array | None = None) -> mx.array:  # fmt: skip
-        table, input, padding_idx = self._table_for(input)
-        return F.embedding_bag(
-            input, table, offsets, None, self.norm_type, self.scale_grad_by_freq, self.mode, self.sparse,
-            per_sample_weights, self.include_last_offset, padding_idx,
-        )  # fmt: skip
+        def lookup(table, input, padding_idx):
+            return F.embedding_bag(
+                input, table, offsets, None, self.norm_type, self.scale_grad_by_freq, self.mode, self.sparse,
+                per_sample_weights, self.include_last_offset, padding_idx,
+            )  # fmt: skip
+
+        return self._look_up(lookup, input)
+
+
+def _checked_weight(weight, shape: tuple[int, int]) -> mx.array:
+    check_weight(weight, "_weight")
+    if tuple(weight.shape) != shape:
+        raise ValueError(
+            f"_weight: expected shape {shape} (num_embeddings, embedding_dim), got {tuple(weight.shape)}"
+        )
+    return weight
 
 
 def _torch_weight(module) -> mx.array:
