@@ -5,9 +5,21 @@ PYTHON ?= python3
 VENV   := .venv
 BIN    := $(VENV)/bin
 SANITIZE := tests/nbval_sanitize.cfg
+NBVAL    := $(BIN)/python -m pytest --nbval chapters --nbval-sanitize-with $(SANITIZE) -p no:randomly
+
+# Other float32 numerics than this machine's default, as another CPU would give them:
+# OpenBLAS's SSE3 kernels for MLX's matmuls (other blocking, other summation order),
+# one thread, and PyTorch without AVX2 (ATen's scalar kernels, MKL limited to SSE4.2,
+# oneDNN to SSE4.1). On CPUs other than x86-64 only the thread count is changed.
+ifeq ($(shell uname -m),x86_64)
+OTHER_NUMERICS := OPENBLAS_CORETYPE=Prescott OMP_NUM_THREADS=1 OPENBLAS_NUM_THREADS=1 \
+                  ATEN_CPU_CAPABILITY=default MKL_ENABLE_INSTRUCTIONS=SSE4_2 ONEDNN_MAX_CPU_ISA=SSE41
+else
+OTHER_NUMERICS := OMP_NUM_THREADS=1 OPENBLAS_NUM_THREADS=1
+endif
 
 .DEFAULT_GOAL := help
-.PHONY: help book test lab unit nbval lint book-strict browser-test clean
+.PHONY: help book test lab unit nbval nbval-numerics lint book-strict browser-test clean
 
 help:  ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-13s %s\n", $$1, $$2}'
@@ -33,7 +45,7 @@ book: $(VENV)/.book-installed  ## build the book into _build/html (runs every ch
 	$(BIN)/jupyter-book build --all -W --keep-going .
 	@echo "==> done: open _build/html/index.html"
 
-test: lint unit book nbval browser-test  ## everything: ruff, unit tests, book build, nbval, browser check
+test: lint unit book nbval nbval-numerics browser-test  ## everything: ruff, unit tests, book build, nbval (twice), browser check
 	@echo "==> all checks passed"
 
 lint: $(VENV)/.test-installed  ## ruff on the library, tests and notebooks
@@ -46,7 +58,11 @@ unit: $(VENV)/.test-installed  ## the library's unit tests (seqlib against PyTor
 
 nbval: $(VENV)/.test-installed  ## re-run every chapter and compare with its stored outputs
 	@echo "==> nbval: re-running the chapters against their stored outputs"
-	$(BIN)/python -m pytest --nbval chapters --nbval-sanitize-with $(SANITIZE) -p no:randomly
+	$(NBVAL)
+
+nbval-numerics: $(VENV)/.test-installed  ## nbval again under other float32 numerics (other BLAS kernels, one thread)
+	@echo "==> nbval under other numerics: $(OTHER_NUMERICS)"
+	env $(OTHER_NUMERICS) $(NBVAL)
 
 browser-test: $(VENV)/.test-installed  ## open the built site in headless Chromium (needs `make book` first)
 	@echo "==> browser check of _build/html in headless Chromium"

@@ -2,17 +2,42 @@
 
 ``show_source`` is how every chapter shows the code it discusses: straight from
 the installed library, so the page shows exactly what the tests test.
+
+``below`` is how every chapter prints a comparison with a reference.  The digits
+of a float32 rounding error depend on the machine (BLAS kernels, vector width,
+thread count, Metal or CPU), so a chapter that printed ``4.47e-08`` would show
+``0.0`` on the next CPU.  A bound is the claim the text makes, and it holds on
+every machine; a broken computation still shows, because then the error itself
+is printed.
 """
 
 from __future__ import annotations
 
 import inspect
 
+import numpy as np
 from IPython.display import Code
 
-__all__ = ["show_source"]
+__all__ = ["below", "show_source"]
 
 
 def show_source(obj) -> Code:
     """Syntax-highlighted source of a seqlib function, class or method."""
     return Code(inspect.getsource(obj), language="python")
+
+
+def below(error, bound: float) -> str:
+    """``"< 1e-06"`` when ``max |error|`` is below ``bound``, else the error itself, flagged.
+
+    ``error`` is a number or an array of differences (MLX, NumPy or anything
+    ``np.asarray`` takes); NaN counts as above every bound.
+
+    >>> below(3e-8, 1e-6)
+    '< 1e-06'
+    >>> below([0.0, -2e-3], 1e-6)
+    '= 2.0e-03, ABOVE the bound 1e-06'
+    """
+    worst = float(np.max(np.abs(np.asarray(error, dtype=np.float64)), initial=0.0))
+    if worst < bound:
+        return f"< {bound:.0e}"
+    return f"= {worst:.1e}, ABOVE the bound {bound:.0e}"
