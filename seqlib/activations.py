@@ -45,11 +45,27 @@ def _tanh_ratio(x: mx.array) -> mx.array:
     return x * p / q
 
 
+def _as_real_array(x) -> mx.array:
+    """``x`` as a floating MLX array, taking what ``mx.tanh`` takes: integers and bools become float32
+    (squaring them as integers would overflow), complex input is refused."""
+    if not isinstance(x, mx.array):
+        try:
+            x = mx.array(x)
+        except (TypeError, ValueError) as error:
+            raise TypeError(f"x: expected an mlx.core.array or a number, got {type(x).__name__}") from error
+    if mx.issubdtype(x.dtype, mx.complexfloating):
+        raise TypeError(f"x: expected a real dtype, got {x.dtype}")
+    if not mx.issubdtype(x.dtype, mx.floating):
+        x = x.astype(mx.float32)
+    return x
+
+
 def fast_tanh(x: mx.array) -> mx.array:
     """tanh(x) to within 3.8e-7, from arithmetic only; exactly +-1 beyond |x| = TANH_CLIP, NaN stays NaN.
 
     The ratio grows like x^7 outside the fitted range (and overflows for huge x), so it is replaced
     there with a select; a select, unlike ``mx.clip``, leaves the compiled loop vectorisable."""
+    x = _as_real_array(x)
     if x.dtype in (mx.float16, mx.bfloat16):  # too few bits for the polynomials: compute in float32
         return fast_tanh(x.astype(mx.float32)).astype(x.dtype)
     ratio = _tanh_ratio(x)
@@ -58,4 +74,4 @@ def fast_tanh(x: mx.array) -> mx.array:
 
 def fast_sigmoid(x: mx.array) -> mx.array:
     """The logistic sigmoid 1 / (1 + exp(-x)) to within 2.4e-7, as (1 + tanh(x/2)) / 2."""
-    return 0.5 * fast_tanh(0.5 * x) + 0.5
+    return 0.5 * fast_tanh(0.5 * _as_real_array(x)) + 0.5

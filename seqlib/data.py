@@ -44,7 +44,11 @@ def adding_problem(num_sequences: int, length: int, rng: np.random.Generator | i
     check_positive_ints(num_sequences=num_sequences, length=length)
     if length < 2:
         raise ValueError(f"length: expected at least 2 steps (one marker in each half), got {length}")
-    rng = np.random.default_rng(rng)
+    try:
+        rng = np.random.default_rng(rng)
+    except (TypeError, ValueError) as error:
+        expected = "a numpy.random.Generator, a non-negative int seed or None"
+        raise type(error)(f"rng: expected {expected}, got {rng!r}") from error
     values = rng.uniform(0.0, 1.0, (num_sequences, length)).astype(np.float32)
     first = rng.integers(0, length // 2, num_sequences)
     second = rng.integers(length // 2, length, num_sequences)
