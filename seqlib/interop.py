@@ -23,9 +23,8 @@ def to_mlx_array(value, dtype: mx.Dtype | None = None, name: str = "value") -> m
     """An MLX array from a torch tensor, a NumPy array or an MLX array, cast to ``dtype`` if given.
 
     Errors name the array as ``name``.  Floating types NumPy lacks (bfloat16, float8)
-    go through float32, exactly; a sparse torch tensor is made dense and a quantized
-    one dequantized, as torch's ``copy_`` into a parameter would.  A meta-device tensor
-    (no data) is a ValueError.
+    go through float32, exactly.  Sparse and quantized tensors are a TypeError (torch's
+    ``load_state_dict`` refuses them too), a meta-device tensor (no data) a ValueError.
     """
     if dtype is not None and not isinstance(dtype, mx.Dtype):
         raise TypeError(f"dtype: expected an mlx.core.Dtype or None, got {type(dtype).__name__}")
@@ -57,12 +56,11 @@ def _torch_to_numpy(tensor, name: str) -> np.ndarray:
             f"{name}: a meta-device tensor of shape {tuple(tensor.shape)} has no data; "
             "materialise it first (module.to_empty(device='cpu'), then initialise or load weights)"
         )
-    tensor = tensor.detach().cpu()
-    if tensor.layout != torch.strided:
-        tensor = tensor.to_dense()
-    if tensor.is_quantized:
-        tensor = tensor.dequantize()
-    tensor = tensor.resolve_conj().resolve_neg()
+    if tensor.layout != torch.strided or tensor.is_quantized:
+        kind = "a quantized" if tensor.is_quantized else f"a {tensor.layout}"
+        raise TypeError(f"{name}: expected a dense tensor (as torch's load_state_dict does), got {kind} one; "
+                        "convert it first (.to_dense(), .dequantize())")  # fmt: skip
+    tensor = tensor.detach().cpu().resolve_conj().resolve_neg()
     if tensor.is_floating_point() and tensor.dtype not in (torch.float16, torch.float32, torch.float64):
         tensor = tensor.float()  # NumPy has no bfloat16 / float8: float32 holds them exactly
     elif tensor.dtype == torch.complex32:
@@ -78,7 +76,9 @@ class TorchStateDictMixin:
 
         As torch's ``load_state_dict``: every key must name a parameter and (with
         ``strict``) every parameter must be there; shapes must match and values are cast
-        to each parameter's dtype.  Nothing is loaded unless everything checks out.
+        to each parameter's dtype.  Nothing is loaded unless everything checks out, and
+        one ValueError lists every key and shape that does not (a value that is not an
+        array is a TypeError naming its key).
         """
         if not isinstance(state_dict, Mapping):
             raise TypeError(
@@ -90,18 +90,21 @@ class TorchStateDictMixin:
         current = dict(tree_flatten(self.parameters()))
         missing = sorted(set(current) - set(state_dict))
         unexpected = sorted(set(state_dict) - set(current))
+        problems = []
         if strict and (missing or unexpected):
-            raise ValueError(f"state_dict: missing keys {missing}, unexpected keys {unexpected}")
+            problems.append(f"state_dict: missing keys {missing}, unexpected keys {unexpected}")
         loaded = []
         for key, value in state_dict.items():
             if key not in current:
                 continue
             array = to_mlx_array(value, current[key].dtype, name=f"state_dict[{key!r}]")
             if array.shape != current[key].shape:
-                raise ValueError(
+                problems.append(
                     f"state_dict[{key!r}]: expected shape {tuple(current[key].shape)}, got {tuple(array.shape)}"
                 )
             loaded.append((key, array))
+        if problems:
+            raise ValueError("; ".join(problems))
         self.update(tree_unflatten(loaded))
         return self
 

@@ -24,7 +24,6 @@ import math
 import mlx.core as mx
 import mlx.optimizers as optim
 import numpy as np
-from mlx.utils import tree_flatten
 
 from seqlib.sparse import SparseGradient
 
@@ -72,14 +71,26 @@ class _TorchOptimizer(optim.Optimizer):
         self.init(gradients)  # state for parameters that get their first gradient now
         return super().apply_gradients(gradients, parameters)
 
-    def _check_gradients(self, gradients, parameters) -> None:
-        if not isinstance(gradients, (dict, list, tuple)):
-            raise TypeError(f"gradients: expected a tree (dict) of gradients, got {type(gradients).__name__}")
-        named_parameters = dict(tree_flatten(parameters))
-        for name, gradient in tree_flatten(gradients):
-            if name not in named_parameters:
-                raise ValueError(f"gradients[{name!r}]: the model has no parameter of that name")
-            self._check_gradient(name, gradient, named_parameters[name])
+    def _check_gradients(self, gradients, parameters, name: str = "") -> None:
+        """Walk ``gradients`` alongside ``parameters``: every gradient must have a parameter and fit it."""
+        if isinstance(parameters, mx.array):
+            return self._check_gradient(name, gradients, parameters)
+        where = f"gradients[{name!r}]" if name else "gradients"
+        if isinstance(gradients, dict) and isinstance(parameters, dict):
+            items, known = gradients.items(), parameters
+        elif isinstance(gradients, (list, tuple)) and isinstance(parameters, (list, tuple)):
+            items, known = enumerate(gradients), range(len(parameters))
+        elif isinstance(parameters, (dict, list, tuple)):
+            kind = "dict" if isinstance(parameters, dict) else "list"
+            raise TypeError(f"{where}: expected a {kind} of gradients (like the parameters), "
+                            f"got {type(gradients).__name__}")  # fmt: skip
+        else:
+            raise ValueError(f"{where}: the model has no parameter of that name")
+        for key, gradient in items:
+            child = f"{name}.{key}" if name else str(key)
+            if key not in known:
+                raise ValueError(f"gradients[{child!r}]: the model has no parameter of that name")
+            self._check_gradients(gradient, parameters[key], child)
 
     def _check_gradient(self, name: str, gradient, parameter) -> None:
         where = f"gradients[{name!r}]"

@@ -32,6 +32,7 @@ import numpy as np
 from mlx.utils import tree_flatten, tree_unflatten
 
 from seqlib._checks import as_index_array, check_index_range, check_weight
+from seqlib.interop import to_mlx_array
 
 __all__ = ["SparseGradient", "value_and_grad"]
 
@@ -94,10 +95,7 @@ class SparseGradient:
 
 
 def _as_float_array(value, name: str) -> mx.array:
-    if isinstance(value, np.ndarray) and value.dtype.kind == "f":
-        value = mx.array(value)
-    if not isinstance(value, mx.array):
-        raise TypeError(f"{name}: expected an mlx.core.array (or NumPy array) of floats, got {type(value).__name__}")
+    value = to_mlx_array(value, name=name)
     if not mx.issubdtype(value.dtype, mx.floating):
         raise TypeError(f"{name}: expected a floating dtype, got {value.dtype}")
     return value
@@ -176,7 +174,7 @@ def _sparse_tables(model: nn.Module) -> list[tuple[str, nn.Module]]:
     return [
         (name, module)
         for name, module in model.named_modules()
-        if getattr(module, "sparse", False) is True and hasattr(module, "_sparse_state")
+        if getattr(module, "sparse", False) and hasattr(module, "_sparse_state")
         and "weight" in module.trainable_parameters()
     ]  # fmt: skip
 
@@ -227,6 +225,7 @@ def value_and_grad(model: nn.Module, fn):
             sparse_grad = SparseGradient(
                 mx.array(unique[keep].astype(np.int32)), grad[mx.array(np.flatnonzero(keep))], table.weight.shape
             )
+            object.__setattr__(sparse_grad, "_coalesced", True)  # np.unique's rows: the optimizers need not look
             flat.append((f"{name}.weight" if name else "weight", sparse_grad))
         return value, tree_unflatten(flat)
 
