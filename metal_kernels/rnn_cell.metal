@@ -6,7 +6,9 @@
 //   template T; RELU (bool): relu instead of tanh
 //   grid    = (H, B, 1)
 //
-// One thread's job: element (b, j):  h = tanh(pre)  or  h = max(pre, 0).
+// One thread's job: element (b, j):  h = tanh(pre)  or  h = relu(pre).
+// relu as torch: NaN stays NaN (a plain max(pre, 0) or "pre > 0 ? pre : 0"
+// would turn it into 0), and -0 stays -0.
 // Reference: seqlib.recurrent.rnn_sequence's activation (chapter 3).
 // Napkin math: reads BH values, writes BH; 1 transcendental each: memory-bound.
 
@@ -20,7 +22,7 @@ if (j >= hidden_size || b >= batch) {
 uint unit = b * hidden_size + j;
 float value = float(pre[unit]);
 if (RELU) {
-  h[unit] = T(value > 0.0f ? value : 0.0f);
+  h[unit] = T(value < 0.0f ? 0.0f : value);
 } else {
   h[unit] = T(tanh_of(value));
 }

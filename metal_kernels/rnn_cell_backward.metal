@@ -7,8 +7,9 @@
 //   grid    = (H, B, 1)
 //
 // One thread's job: element (b, j), from the output alone:
-//   tanh:  d_pre = d_h * (1 - h^2)         relu:  d_pre = d_h if h > 0 else 0
-// (relu's derivative at 0 is taken as 0, as torch does).
+//   tanh:  d_pre = d_h * (1 - h^2)         relu:  d_pre = 0 if h <= 0 else d_h
+// (relu's derivative at 0 is taken as 0, and a NaN output passes d_h on, as torch's
+// threshold_backward does: "h <= 0 ? 0 : d_h").
 // Napkin math: reads 2BH values, writes BH; 2-3 FLOPs each: memory-bound.
 
 uint j = thread_position_in_grid.x;
@@ -22,7 +23,7 @@ uint unit = b * hidden_size + j;
 float output = float(h[unit]);
 float grad = float(d_h[unit]);
 if (RELU) {
-  d_pre[unit] = T(output > 0.0f ? grad : 0.0f);
+  d_pre[unit] = T(output <= 0.0f ? 0.0f : grad);
 } else {
   d_pre[unit] = T(grad * (1.0f - output * output));
 }
