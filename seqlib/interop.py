@@ -117,7 +117,9 @@ class TorchStateDictMixin:
 
 
 def register_from_torch(torch_class_name: str):
-    """Decorator: register how to convert one torch module class."""
+    """Decorator: register how to convert one torch module class (its name in ``torch.nn``)."""
+    if not isinstance(torch_class_name, str):
+        raise TypeError(f"torch_class_name: expected a torch.nn class's name, got {type(torch_class_name).__name__}")
 
     def register(convert):
         _FROM_TORCH[torch_class_name] = convert

@@ -22,6 +22,7 @@ from __future__ import annotations
 import math
 
 import mlx.core as mx
+import mlx.nn as nn
 import mlx.optimizers as optim
 import numpy as np
 
@@ -65,8 +66,16 @@ class _TorchOptimizer(optim.Optimizer):
             raise ValueError(f"learning_rate: expected one number, got an array of shape {self.learning_rate.shape}")
         _check_range("learning_rate", self.learning_rate, low_open=positive_learning_rate)
 
+    def update(self, model: nn.Module, gradients: dict):
+        """Apply ``gradients`` (a tree like ``model.parameters()``) to ``model``."""
+        if not isinstance(model, nn.Module):
+            raise TypeError(f"model: expected an mlx.nn.Module, got {type(model).__name__}")
+        super().update(model, gradients)
+
     def apply_gradients(self, gradients: dict, parameters: dict):
         """Check ``gradients`` against ``parameters`` (names, shapes, dtypes), then apply them."""
+        if not isinstance(parameters, (dict, list, tuple)):
+            raise TypeError(f"parameters: expected a tree (dict) of parameters, got {type(parameters).__name__}")
         self._check_gradients(gradients, parameters)
         self.init(gradients)  # state for parameters that get their first gradient now
         return super().apply_gradients(gradients, parameters)

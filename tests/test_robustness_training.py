@@ -378,6 +378,25 @@ def test_dense_gradients_that_do_not_fit_their_parameter_are_refused(name, gradi
 
 
 @pytest.mark.parametrize("name", OPTIMIZER_NAMES)
+def test_update_and_apply_gradients_refuse_what_is_not_a_model(name):
+    gradients = {"weight": mx.ones((4, 2))}
+    for call, words in [(lambda: make_optimizer(name).update(None, gradients), ["model", "NoneType"]),
+                        (lambda: make_optimizer(name).update(dict(gradients), gradients), ["model", "dict"]),
+                        (lambda: make_optimizer(name).apply_gradients(gradients, None), ["parameters", "NoneType"])]:
+        with pytest.raises(TypeError) as raised:
+            call()
+        for word in words:
+            assert word in str(raised.value)
+
+
+@pytest.mark.parametrize("name", ["SGD", "Adagrad"])
+def test_apply_gradients_takes_a_parameter_tree_as_mlx_optimizers_do(name):
+    table = seqlib.nn.Embedding(4, 2)
+    updated = make_optimizer(name).apply_gradients({"weight": mx.ones((4, 2))}, table.parameters())
+    assert updated["weight"].shape == (4, 2)
+
+
+@pytest.mark.parametrize("name", OPTIMIZER_NAMES)
 def test_a_sparse_gradient_of_another_dtype_is_refused(name):
     table = seqlib.nn.Embedding(4, 2, dtype=mx.float16, sparse=True)
     gradient = SparseGradient(mx.array([1]), mx.ones((1, 2)), (4, 2))
@@ -516,6 +535,11 @@ def test_lookup_table_refuses_modules_without_a_table_and_non_integer_input(modu
         lookup_table(module, input)
     for word in words:
         assert word in str(raised.value)
+
+
+def test_register_from_torch_takes_a_class_name():
+    with pytest.raises(TypeError, match="torch_class_name"):
+        seqlib.interop.register_from_torch(torch.nn.LSTM)
 
 
 def test_lookup_table_outside_value_and_grad_is_the_modules_own_table():
@@ -657,7 +681,7 @@ class LSTM(mlx.nn.Module):  # the name of an mlx.nn layer, not one
     (seqlib.nn.LSTM(3, 2), TypeError, ["module", "seqlib"]),
     (mlx.nn.LSTM(3, 2), TypeError, ["module", "mlx"]),
     (quantized_table(), TypeError, ["module", "torch.ao"]),
-    (META_TABLE, ValueError, ["module", "meta", "weight"]),
+    (META_TABLE, ValueError, ["module:", "meta", "['weight']"]),
 ])  # fmt: skip
 def test_from_torch_refuses_what_it_cannot_convert(module, error, words):
     with pytest.raises(error) as raised:
