@@ -129,3 +129,67 @@ def check_per_sample_weights(per_sample_weights, mode: str, shape: tuple, dtype,
         raise ValueError(
             f"per_sample_weights: expected the shape of {of} {tuple(shape)}, got {tuple(per_sample_weights.shape)}"
         )
+
+
+def as_int_vector(value, name: str) -> np.ndarray:
+    """``value`` (an MLX or NumPy integer array, or a list/tuple of ints) as a NumPy int64 array, or a TypeError.
+
+    Floats are refused rather than truncated, bools rather than read as 0 and 1."""
+    if isinstance(value, mx.array):
+        if not mx.issubdtype(value.dtype, mx.integer):
+            raise TypeError(f"{name}: expected an integer dtype (int32, int64, ...), got {value.dtype}")
+        return np.array(value).astype(np.int64)
+    if not isinstance(value, (np.ndarray, list, tuple)):
+        raise TypeError(f"{name}: expected an mlx.core.array, NumPy array or list of ints, got {type(value).__name__}")
+    try:
+        values = np.asarray(value)
+    except (ValueError, TypeError) as error:  # ragged nesting
+        raise TypeError(f"{name}: expected a flat sequence of ints ({error})") from None
+    if values.size and not np.issubdtype(values.dtype, np.integer):
+        raise TypeError(f"{name}: expected ints, got {values.dtype} values")
+    return values.astype(np.int64)
+
+
+def check_batch_sizes(batch_sizes, total_rows: int | None = None, batch: int | None = None,
+                      name: str = "batch_sizes", rows_name: str = "data") -> tuple[int, ...]:  # fmt: skip
+    """A packed sequence's rows per time step, checked, as a tuple of ints.
+
+    They must be a non-empty 1-D integer sequence, non-increasing, each at least 1,
+    starting at ``batch`` and adding up to ``total_rows`` (the rows of ``rows_name``) where given.
+    """
+    sizes = as_int_vector(batch_sizes, name)
+    if sizes.ndim != 1 or sizes.size == 0:
+        raise ValueError(f"{name}: expected a non-empty 1-D sequence, got shape {sizes.shape}")
+    shown = sizes.tolist()[:12]
+    if sizes.min() < 1 or np.any(np.diff(sizes) > 0):
+        raise ValueError(f"{name}: expected non-increasing sizes, each at least 1, got {shown}")
+    if batch is not None and sizes[0] != batch:
+        raise ValueError(f"{name}: expected the first size to be the batch size {batch}, got {shown}")
+    if total_rows is not None and int(sizes.sum()) != total_rows:
+        raise ValueError(
+            f"{name}: they add up to {int(sizes.sum())} rows, but {rows_name} has {total_rows} rows"
+        )
+    return tuple(shown if sizes.size <= 12 else sizes.tolist())
+
+
+def check_float_array(value, name: str, shape: tuple | None = None, dtype=None) -> None:
+    """Raise unless ``value`` is a floating mx.array of ``dtype`` (if given) and ``shape`` (None entries: any size)."""
+    if not isinstance(value, mx.array):
+        raise TypeError(f"{name}: expected an mlx.core.array, got {type(value).__name__}")
+    if not mx.issubdtype(value.dtype, mx.floating):
+        raise TypeError(f"{name}: expected a floating dtype, got {value.dtype}")
+    if dtype is not None and value.dtype != dtype:
+        raise TypeError(f"{name}: expected dtype {dtype} (that of the other arguments), got {value.dtype}")
+    if shape is None:
+        return
+    if value.ndim != len(shape) or any(
+        size is not None and size != got for size, got in zip(shape, value.shape, strict=True)
+    ):
+        expected = tuple("*" if size is None else size for size in shape)
+        raise ValueError(f"{name}: expected shape {expected}".replace("'*'", "*") + f", got {tuple(value.shape)}")
+
+
+def check_choice(name: str, value, choices: tuple) -> None:
+    """Raise a ValueError unless ``value`` is one of ``choices``."""
+    if not isinstance(value, str) or value not in choices:
+        raise ValueError(f"{name}: expected one of {', '.join(map(repr, choices))}, got {value!r}")

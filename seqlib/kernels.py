@@ -37,7 +37,7 @@ import mlx.core as mx
 import numpy as np
 
 from seqlib._bags import checked_offsets
-from seqlib._checks import as_index_array, check_index_range, check_max_norm
+from seqlib._checks import as_index_array, check_batch_sizes, check_choice, check_index_range, check_max_norm
 from seqlib._checks import check_per_sample_weights, normalize_padding_idx
 
 __all__ = [
@@ -299,9 +299,11 @@ def gru_cell_backward(d_h, activations, hidden_side, h_prev):
     )
 
 
+NONLINEARITIES = ("tanh", "relu")
+
+
 def _check_nonlinearity(nonlinearity: str) -> None:
-    if nonlinearity not in ("tanh", "relu"):
-        raise ValueError(f"nonlinearity: expected 'tanh' or 'relu', got {nonlinearity!r}")
+    check_choice("nonlinearity", nonlinearity, NONLINEARITIES)
 
 
 def rnn_cell(pre: mx.array, nonlinearity: str = "tanh") -> mx.array:
@@ -342,17 +344,9 @@ LSTM_SEQUENCE_VERSIONS = {"simd": "lstm_sequence", "simple": "lstm_sequence_simp
 
 
 def _packed_steps(batch_sizes, total_rows: int, batch: int) -> tuple[mx.array, mx.array]:
-    """(step_offsets, batch_sizes) as int32 arrays, after checking they describe ``total_rows`` packed rows."""
-    sizes = np.asarray([int(size) for size in batch_sizes], dtype=np.int64)
-    if sizes.ndim != 1 or sizes.size == 0:
-        raise ValueError(f"batch_sizes: expected a non-empty 1-D sequence, got {sizes.shape}")
-    if sizes[0] != batch or np.any(sizes < 1) or np.any(np.diff(sizes) > 0):
-        raise ValueError(
-            f"batch_sizes: expected non-increasing positive sizes starting at the batch size {batch}, "
-            f"got {sizes.tolist()}"
-        )
-    if int(sizes.sum()) != total_rows:
-        raise ValueError(f"batch_sizes: they add up to {int(sizes.sum())} rows, but x_gates has {total_rows}")
+    """(step_offsets, batch_sizes) as int32 arrays, after checking they describe ``total_rows`` packed rows
+    of ``batch`` sequences (integers only: float sizes are refused, not truncated)."""
+    sizes = np.array(check_batch_sizes(batch_sizes, total_rows, batch, rows_name="x_gates"), dtype=np.int64)
     offsets = np.concatenate([[0], np.cumsum(sizes)[:-1]])
     return mx.array(offsets.astype(np.int32)), mx.array(sizes.astype(np.int32))
 
@@ -437,6 +431,9 @@ def gru_sequence(x_gates, w_hh, b_hh, h0, batch_sizes, reverse: bool = False):
 
 def sequence_kernel_serves(batch: int, hidden_size: int) -> bool:
     """Whether the recurrent layers use the whole-sequence kernels for this shape (else one kernel per step)."""
+    for name, value in (("batch", batch), ("hidden_size", hidden_size)):
+        if not isinstance(value, (int, np.integer)) or isinstance(value, bool):
+            raise TypeError(f"{name}: expected an int, got {type(value).__name__}")
     return batch <= SEQUENCE_KERNEL_MAX_BATCH and hidden_size <= SEQUENCE_KERNEL_MAX_HIDDEN
 
 

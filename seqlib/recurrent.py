@@ -31,6 +31,12 @@ this file's MLX-ops path everywhere.
 
 Shapes: N rows in all, B = batch_sizes[0] sequences, H hidden units, P the
 size of h (P = H, or ``proj_size`` for a projected LSTM), G gate blocks.
+
+Every public function checks its arguments first (a ValueError or TypeError
+naming the argument): arrays of one floating dtype and matching shapes, B and
+H at least 1, and ``batch_sizes`` integers (floats are refused, not truncated)
+that describe a packed batch: non-increasing, each at least 1, starting at B
+and adding up to N.  NaN propagates as in torch (relu and tanh of NaN are NaN).
 """
 
 from __future__ import annotations
@@ -42,6 +48,7 @@ import shutil
 import mlx.core as mx
 
 from seqlib import kernels
+from seqlib._checks import check_batch_sizes, check_choice, check_float_array
 from seqlib.activations import fast_tanh
 
 __all__ = ["gru_pointwise", "gru_sequence", "lstm_pointwise", "lstm_sequence", "rnn_sequence"]
@@ -128,13 +135,24 @@ def _path(compiled: bool | None, x: mx.array) -> str:
 def lstm_pointwise(gates: mx.array, c_prev: mx.array, compiled: bool | None = None):
     """The LSTM's gate math for one step.
 
-    gates: (B, 4H) pre-activations in the order i, f, g, o; c_prev: (B, H).
-    Returns ``h (B, H), c (B, H), activations (B, 4H), tanh_c (B, H)``;
+    gates: (B, 4H) pre-activations in the order i, f, g, o; c_prev: (B, H), B and H at least 1,
+    both of one floating dtype.  Returns ``h (B, H), c (B, H), activations (B, 4H), tanh_c (B, H)``;
     the last two are what the backward needs.  ``compiled``: which MLX-ops build to
     run (None: the Metal kernel where the backend is "metal", else ask
     :func:`_compiles_here`; the sequence loops decide once per sequence).
+    NaN in, NaN out, as torch's sigmoid and tanh.
     """
+    batch, hidden_size = _check_state("c_prev", c_prev)
+    check_float_array(gates, "gates", (batch, 4 * hidden_size), c_prev.dtype)
     return _lstm_pointwise_on(_path(compiled, gates), gates, c_prev)
+
+
+def _check_state(name: str, state) -> tuple[int, int]:
+    """A (B, H) state with B, H >= 1: returns its shape."""
+    check_float_array(state, name, (None, None))
+    if state.size == 0:
+        raise ValueError(f"{name}: expected a non-empty (batch, hidden_size) array, got shape {tuple(state.shape)}")
+    return state.shape
 
 
 def _lstm_pointwise_on(path: str, gates, c_prev):
@@ -149,14 +167,23 @@ def _lstm_pointwise_on(path: str, gates, c_prev):
 def _lstm_backward_on(path: str, d_h, d_c, activations, tanh_c, c_prev):
     if path == "metal":
         return kernels.lstm_cell_backward(d_h, d_c, activations, tanh_c, c_prev)
-    return lstm_pointwise_backward(d_h, d_c, activations, tanh_c, c_prev)
+    return _lstm_pointwise_backward(d_h, d_c, activations, tanh_c, c_prev)
 
 
-@_compile
 def lstm_pointwise_backward(d_h, d_c, activations, tanh_c, c_prev):
     """Gradients through one step's gate math: returns ``d_gates (B, 4H), d_c_prev (B, H)``.
 
-    d_h, d_c: the gradients arriving at this step's h and c (B, H)."""
+    d_h, d_c: the gradients arriving at this step's h and c (B, H); activations (B, 4H) and
+    tanh_c (B, H) as :func:`lstm_pointwise` returned them; c_prev (B, H)."""
+    batch, hidden_size = _check_state("c_prev", c_prev)
+    for name, array in (("d_h", d_h), ("d_c", d_c), ("tanh_c", tanh_c)):
+        check_float_array(array, name, (batch, hidden_size), c_prev.dtype)
+    check_float_array(activations, "activations", (batch, 4 * hidden_size), c_prev.dtype)
+    return _lstm_pointwise_backward(d_h, d_c, activations, tanh_c, c_prev)
+
+
+@_compile
+def _lstm_pointwise_backward(d_h, d_c, activations, tanh_c, c_prev):
     i, f, g, o = mx.split(activations, 4, axis=-1)
     d_c = d_c + d_h * o * (1 - tanh_c * tanh_c)
     d_i = d_c * g * i * (1 - i)
@@ -185,6 +212,9 @@ def gru_pointwise(input_side: mx.array, hidden_side: mx.array, h_prev: mx.array,
     Returns ``h (B, H), activations (B, 3H)`` with activations r, z, n; ``compiled`` as in
     :func:`lstm_pointwise`.
     """
+    batch, hidden_size = _check_state("h_prev", h_prev)
+    check_float_array(input_side, "input_side", (batch, 3 * hidden_size), h_prev.dtype)
+    check_float_array(hidden_side, "hidden_side", (batch, 3 * hidden_size), h_prev.dtype)
     return _gru_pointwise_on(_path(compiled, input_side), input_side, hidden_side, h_prev)
 
 
@@ -199,12 +229,22 @@ def _gru_pointwise_on(path: str, input_side, hidden_side, h_prev):
 def _gru_backward_on(path: str, d_h, activations, hidden_side, h_prev):
     if path == "metal":
         return kernels.gru_cell_backward(d_h, activations, hidden_side, h_prev)
-    return gru_pointwise_backward(d_h, activations, hidden_side, h_prev)
+    return _gru_pointwise_backward(d_h, activations, hidden_side, h_prev)
+
+
+def gru_pointwise_backward(d_h, activations, hidden_side, h_prev):
+    """Returns ``d_input_side (B, 3H), d_hidden_side (B, 3H), d_h_prev`` (the direct part, without W_hh).
+
+    d_h, h_prev: (B, H); activations (B, 3H) as :func:`gru_pointwise` returned them; hidden_side (B, 3H)."""
+    batch, hidden_size = _check_state("h_prev", h_prev)
+    check_float_array(d_h, "d_h", (batch, hidden_size), h_prev.dtype)
+    check_float_array(activations, "activations", (batch, 3 * hidden_size), h_prev.dtype)
+    check_float_array(hidden_side, "hidden_side", (batch, 3 * hidden_size), h_prev.dtype)
+    return _gru_pointwise_backward(d_h, activations, hidden_side, h_prev)
 
 
 @_compile
-def gru_pointwise_backward(d_h, activations, hidden_side, h_prev):
-    """Returns ``d_input_side (B, 3H), d_hidden_side (B, 3H), d_h_prev`` (the direct part, without W_hh)."""
+def _gru_pointwise_backward(d_h, activations, hidden_side, h_prev):
     r, z, n = mx.split(activations, 3, axis=-1)
     hidden_n = mx.split(hidden_side, 3, axis=-1)[2]
     d_n = d_h * (1 - z) * (1 - n * n)
@@ -222,7 +262,7 @@ def _rnn_activation_on(path: str, nonlinearity: str, x: mx.array) -> mx.array:
     if path == "metal":
         return kernels.rnn_cell(x, nonlinearity)
     if nonlinearity == "relu":
-        return mx.maximum(x, 0)
+        return mx.maximum(x, 0)  # propagates NaN, as torch's relu
     return _fast_tanh_compiled(x) if path == "compiled" else mx.tanh(x)
 
 
@@ -234,7 +274,9 @@ def _tanh_backward(d_h, h):
 def _rnn_activation_backward_on(path: str, nonlinearity: str, d_h, h):
     if path == "metal":
         return kernels.rnn_cell_backward(d_h, h, nonlinearity)
-    return _tanh_backward(d_h, h) if nonlinearity == "tanh" else d_h * (h > 0)
+    if nonlinearity == "tanh":
+        return _tanh_backward(d_h, h)
+    return mx.where(h <= 0, 0, d_h)  # torch's threshold_backward: a NaN output passes its gradient on
 
 
 # ----------------------------------------------------------------- the sequence loop
@@ -329,6 +371,20 @@ def _lstm_sequence_function(batch_sizes: tuple[int, ...], reverse: bool, project
     return forward
 
 
+def _check_lstm_sequence(x_gates, w_hh, h0, c0, batch_sizes, w_hr) -> tuple[int, ...]:
+    """Check lstm_sequence's arguments against each other; returns the batch sizes as a tuple."""
+    batch, hidden_size = _check_state("c0", c0)
+    dtype = c0.dtype
+    if w_hr is None:
+        check_float_array(h0, "h0", (batch, hidden_size), dtype)
+    else:
+        check_float_array(h0, "h0", (batch, None), dtype)
+        check_float_array(w_hr, "w_hr", (h0.shape[1], hidden_size), dtype)
+    check_float_array(x_gates, "x_gates", (None, 4 * hidden_size), dtype)
+    check_float_array(w_hh, "w_hh", (4 * hidden_size, h0.shape[1]), dtype)
+    return check_batch_sizes(batch_sizes, x_gates.shape[0], batch, rows_name="x_gates")
+
+
 def lstm_sequence(x_gates, w_hh, h0, c0, batch_sizes, reverse=False, w_hr=None):
     """Run an LSTM over packed rows; returns ``output (N, P), h_n (B, P), c_n (B, H)``.
 
@@ -336,8 +392,9 @@ def lstm_sequence(x_gates, w_hh, h0, c0, batch_sizes, reverse=False, w_hr=None):
     h0: (B, P), c0: (B, H); batch_sizes: rows per step; w_hr: (P, H) for a
     projected LSTM (``proj_size = P``), else None.
     """
+    batch_sizes = _check_lstm_sequence(x_gates, w_hh, h0, c0, batch_sizes, w_hr)
     metal = kernels.backend() == "metal"
-    function = _lstm_sequence_function(tuple(int(b) for b in batch_sizes), bool(reverse), w_hr is not None, metal)
+    function = _lstm_sequence_function(batch_sizes, bool(reverse), w_hr is not None, metal)
     projection = () if w_hr is None else (w_hr,)
     output, h_n, c_n = function(x_gates, w_hh, h0, c0, *projection)[:3]
     return output, h_n, c_n
@@ -393,7 +450,12 @@ def gru_sequence(x_gates, w_hh, b_hh, h0, batch_sizes, reverse=False):
     x_gates: (N, 3H) ``x @ W_ih.T + b_ih``; w_hh: (3H, H); b_hh: (3H,) (zeros
     for a layer without bias); h0: (B, H).
     """
-    function = _gru_sequence_function(tuple(int(b) for b in batch_sizes), bool(reverse), kernels.backend() == "metal")
+    batch, hidden_size = _check_state("h0", h0)
+    check_float_array(x_gates, "x_gates", (None, 3 * hidden_size), h0.dtype)
+    check_float_array(w_hh, "w_hh", (3 * hidden_size, hidden_size), h0.dtype)
+    check_float_array(b_hh, "b_hh", (3 * hidden_size,), h0.dtype)
+    batch_sizes = check_batch_sizes(batch_sizes, x_gates.shape[0], batch, rows_name="x_gates")
+    function = _gru_sequence_function(batch_sizes, bool(reverse), kernels.backend() == "metal")
     output, h_n = function(x_gates, w_hh, b_hh, h0)[:2]
     return output, h_n
 
@@ -438,7 +500,12 @@ def rnn_sequence(x_gates, w_hh, h0, batch_sizes, reverse=False, nonlinearity="ta
 
     x_gates: (N, H) ``x @ W_ih.T + b_ih + b_hh``; w_hh: (H, H); h0: (B, H).
     """
+    check_choice("nonlinearity", nonlinearity, kernels.NONLINEARITIES)
+    batch, hidden_size = _check_state("h0", h0)
+    check_float_array(x_gates, "x_gates", (None, hidden_size), h0.dtype)
+    check_float_array(w_hh, "w_hh", (hidden_size, hidden_size), h0.dtype)
+    batch_sizes = check_batch_sizes(batch_sizes, x_gates.shape[0], batch, rows_name="x_gates")
     metal = kernels.backend() == "metal"
-    function = _rnn_sequence_function(tuple(int(b) for b in batch_sizes), bool(reverse), nonlinearity, metal)
+    function = _rnn_sequence_function(batch_sizes, bool(reverse), nonlinearity, metal)
     output, h_n = function(x_gates, w_hh, h0)[:2]
     return output, h_n

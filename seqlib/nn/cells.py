@@ -7,6 +7,11 @@ r, z, n), all initialised U(-1/sqrt(H), 1/sqrt(H)) as in torch.  One matmul per
 side gives every gate's pre-activation at once (the packing trick); the gate
 math is that of :mod:`seqlib.reference`'s NumPy cells, run by
 :mod:`seqlib.recurrent` as a sequence of one step.
+
+As in torch, ``input_size`` and ``hidden_size`` may be 0 and a batch may hold
+no rows (the outputs are then empty, or for ``input_size=0`` the bias alone
+drives the state); input and states must have the cell's dtype (a TypeError:
+torch does not promote them either).
 """
 
 from __future__ import annotations
@@ -16,7 +21,7 @@ import math
 import mlx.core as mx
 import mlx.nn as nn
 
-from seqlib._checks import check_positive_ints
+from seqlib._checks import check_choice
 from seqlib.interop import TorchStateDictMixin, register_from_torch
 from seqlib.nn.recurrent import _GRURecurrence, _LSTMRecurrence, _RNNRecurrence
 
@@ -28,9 +33,9 @@ class _Cell(TorchStateDictMixin, nn.Module):
 
     def __init__(self, input_size: int, hidden_size: int, bias: bool = True):
         super().__init__()
-        check_positive_ints(input_size=input_size, hidden_size=hidden_size)
+        _check_sizes(input_size=input_size, hidden_size=hidden_size)
         self.input_size, self.hidden_size, self.bias = input_size, hidden_size, bias
-        bound = 1.0 / math.sqrt(hidden_size)
+        bound = 1.0 / math.sqrt(hidden_size) if hidden_size > 0 else 0.0  # torch's bound
         rows = self.gate_blocks * hidden_size
         self.weight_ih = mx.random.uniform(-bound, bound, (rows, input_size))
         self.weight_hh = mx.random.uniform(-bound, bound, (rows, hidden_size))
@@ -42,13 +47,14 @@ class _Cell(TorchStateDictMixin, nn.Module):
         return f"{self.input_size}, {self.hidden_size}" + ("" if self.bias else ", bias=False")
 
     def _check_input(self, input: mx.array) -> bool:
-        """Raise unless input is (B, D) or (D,); return whether it is batched."""
+        """Raise unless input is (B, D) or (D,) of the cell's dtype; return whether it is batched."""
         if not isinstance(input, mx.array):
             raise TypeError(f"input: expected an mlx.core.array, got {type(input).__name__}")
         if input.ndim not in (1, 2) or input.shape[-1] != self.input_size:
             raise ValueError(
                 f"input: expected shape (batch, {self.input_size}) or ({self.input_size},), got {tuple(input.shape)}"
             )
+        self._check_dtype("input", input, "weight_ih")
         return input.ndim == 2
 
     def _state(self, state, input: mx.array, batched: bool, name: str) -> mx.array:
@@ -61,12 +67,19 @@ class _Cell(TorchStateDictMixin, nn.Module):
         if tuple(state.shape) != shape:
             raise ValueError(f"{name}: expected shape {shape} to match input {tuple(input.shape)}, "
                              f"got {tuple(state.shape)}")  # fmt: skip
+        self._check_dtype(name, state, "weight_hh")
         return state
+
+    def _is_empty(self, input: mx.array) -> bool:
+        """Whether the step's outputs hold no element (no rows, or hidden_size 0): nothing to compute."""
+        return self.hidden_size == 0 or (input.ndim == 2 and input.shape[0] == 0)
 
     def _step_one_state(self, input: mx.array, hx: mx.array | None) -> mx.array:
         """One step of a cell whose state is h alone (RNNCell, GRUCell): the new h."""
         batched = self._check_input(input)
         hidden = self._state(hx, input, batched, "hx")
+        if self._is_empty(input):
+            return mx.zeros(hidden.shape, input.dtype)
         if not batched:
             return self._step_one_state(input[None], hidden[None])[0]
         h, _ = self._run_direction(input, [input.shape[0]], [hidden], "", reverse=False)
@@ -80,8 +93,7 @@ class RNNCell(_RNNRecurrence, _Cell):
     """``h' = tanh(W_ih x + b_ih + W_hh h + b_hh)`` (or ``relu``)."""
 
     def __init__(self, input_size: int, hidden_size: int, bias: bool = True, nonlinearity: str = "tanh"):
-        if nonlinearity not in NONLINEARITIES:
-            raise ValueError(f"nonlinearity: expected one of {NONLINEARITIES}, got {nonlinearity!r}")
+        check_choice("nonlinearity", nonlinearity, NONLINEARITIES)
         super().__init__(input_size, hidden_size, bias)
         self.nonlinearity = nonlinearity
 
@@ -95,9 +107,12 @@ class LSTMCell(_LSTMRecurrence, _Cell):
     def __call__(self, input: mx.array, hx: tuple[mx.array, mx.array] | None = None):
         batched = self._check_input(input)
         if hx is not None and not (isinstance(hx, (tuple, list)) and len(hx) == 2):
-            raise TypeError(f"hx: expected a tuple (h, c) or None, got {type(hx).__name__}")
+            what = f"a {type(hx).__name__} of {len(hx)}" if isinstance(hx, (tuple, list)) else type(hx).__name__
+            raise TypeError(f"hx: expected a tuple (h, c) or None, got {what}")
         hidden = self._state(None if hx is None else hx[0], input, batched, "hx[0] (h)")
         cell = self._state(None if hx is None else hx[1], input, batched, "hx[1] (c)")
+        if self._is_empty(input):
+            return mx.zeros(hidden.shape, input.dtype), mx.zeros(cell.shape, input.dtype)
         if not batched:
             h, c = self(input[None], (hidden[None], cell[None]))
             return h[0], c[0]
@@ -110,6 +125,15 @@ class GRUCell(_GRURecurrence, _Cell):
 
     def __call__(self, input: mx.array, hx: mx.array | None = None) -> mx.array:
         return self._step_one_state(input, hx)
+
+
+def _check_sizes(**sizes) -> None:
+    """input_size and hidden_size: ints >= 0 (torch's cells accept 0; its layers do not)."""
+    for name, value in sizes.items():
+        if not isinstance(value, int) or isinstance(value, bool):
+            raise TypeError(f"{name}: expected an int >= 0, got {type(value).__name__} {value!r}")
+        if value < 0:
+            raise ValueError(f"{name}: expected an int >= 0, got {value}")
 
 
 def _cell_from_torch(cls, module, **options):

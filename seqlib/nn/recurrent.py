@@ -18,6 +18,13 @@ Shapes (torch's): input (T, B, D), or (B, T, D) with ``batch_first``, or
 unbatched (T, D), or a :class:`~seqlib.nn.utils.rnn.PackedSequence`.  Output
 (T, B, num_directions * P); ``h_n`` (num_layers * num_directions, B, P) and,
 for the LSTM, ``c_n`` (num_layers * num_directions, B, H).
+
+Arguments are checked as torch checks them, with seqlib's errors: the input
+and every state must have the layer's dtype (a TypeError; torch raises a
+ValueError for the input), a batch of 0 sequences gives empty outputs as in
+torch, 0 time steps is refused as in torch, and a hand-built PackedSequence
+is checked by :func:`~seqlib.nn.utils.rnn.check_packed_sequence` before any
+of its indices is used.
 """
 
 from __future__ import annotations
@@ -31,7 +38,7 @@ import mlx.nn as nn
 import numpy as np
 
 from seqlib import recurrent
-from seqlib._checks import check_positive_ints
+from seqlib._checks import check_choice, check_positive_ints
 from seqlib.interop import TorchStateDictMixin, register_from_torch
 from seqlib.nn.utils.rnn import PackedSequence, check_packed_sequence
 
@@ -47,6 +54,15 @@ class _Recurrence:
     """
 
     gate_blocks = 1
+
+    def _check_dtype(self, name: str, array: mx.array, weight_name: str) -> None:
+        """Raise a TypeError unless ``array`` has the dtype of the weights (torch does not promote either)."""
+        dtype = getattr(self, weight_name).dtype
+        if array.dtype != dtype:
+            raise TypeError(
+                f"{name}: expected dtype {dtype} (the layer's dtype, that of {weight_name}), got {array.dtype}; "
+                f"convert it with .astype({dtype}) or the layer with .set_dtype({array.dtype})"
+            )
 
     def _input_side(self, rows, suffix: str, fold_hidden_bias: bool) -> mx.array:
         """``rows @ W_ih.T + b_ih`` (+ ``b_hh`` where it can be folded in) for every row at once."""
@@ -145,15 +161,22 @@ class _RNNBase(TorchStateDictMixin, nn.Module):
     def __call__(self, input, hx=None):
         packed = not isinstance(input, mx.array)
         if packed:
+            if not isinstance(input, tuple):  # a PackedSequence is a NamedTuple; anything else is neither
+                raise TypeError(
+                    f"input: expected an mlx.core.array or a seqlib.nn.utils.rnn.PackedSequence, "
+                    f"got {type(input).__name__}"
+                )
             input = check_packed_sequence(input)
-            rows, batch_sizes = input.data, [int(b) for b in np.array(input.batch_sizes)]
+            rows, batch_sizes = input.data, np.array(input.batch_sizes).tolist()
             self._check_features(rows, "input.data")
             batch_size, batched = batch_sizes[0], True
         else:
             sequence, batched = self._check_input(input)  # (T, B, D)
             steps, batch_size = sequence.shape[:2]
-            rows, batch_sizes = sequence.reshape(steps * batch_size, -1), [batch_size] * steps
-        states = self._initial_states(hx, batch_size, batched, rows.dtype)
+            rows, batch_sizes = sequence.reshape(steps * batch_size, self.input_size), [batch_size] * steps
+        states = self._initial_states(hx, batch_size, batched)
+        if batch_size == 0:  # torch: empty outputs for an empty batch (and zero gradients)
+            return self._empty_outputs(steps, states)
         if packed and input.sorted_indices is not None:  # states are given in the caller's batch order
             states = [state[:, input.sorted_indices] for state in states]
         rows, final_states = self._run_layers(rows, batch_sizes, states)
@@ -170,6 +193,12 @@ class _RNNBase(TorchStateDictMixin, nn.Module):
         elif self.batch_first:
             output = output.swapaxes(0, 1)
         return output, final
+
+    def _empty_outputs(self, steps: int, states: list[mx.array]):
+        """The outputs for a batch of no sequences: (T, 0, dirs * P) (or (0, T, .)) and the empty states."""
+        shape = (steps, 0, self.num_directions * self.output_size)
+        output = mx.zeros(shape[1::-1] + shape[2:] if self.batch_first else shape, states[0].dtype)
+        return output, tuple(states) if len(states) > 1 else states[0]
 
     def _run_layers(self, rows, batch_sizes, states):
         """rows (N, D) packed; states: per kind (h, and c for the LSTM) a (L * dirs, B, .) array."""
@@ -196,9 +225,11 @@ class _RNNBase(TorchStateDictMixin, nn.Module):
             raise ValueError(
                 f"{name}: expected shape (N, input_size={self.input_size}), got {tuple(rows.shape)}"
             )
+        self._check_dtype(name, rows, "weight_ih_l0")
 
     def _check_input(self, input: mx.array) -> tuple[mx.array, bool]:
         """The input as (T, B, D), and whether it was batched."""
+        self._check_dtype("input", input, "weight_ih_l0")
         if input.ndim not in (2, 3) or input.shape[-1] != self.input_size:
             layout = "(batch, seq_len, " if self.batch_first else "(seq_len, batch, "
             raise ValueError(
@@ -209,23 +240,25 @@ class _RNNBase(TorchStateDictMixin, nn.Module):
         sequence = input if not batched else (input.swapaxes(0, 1) if self.batch_first else input)
         if not batched:
             sequence = sequence[:, None]
-        if sequence.shape[0] == 0 or sequence.shape[1] == 0:
-            raise ValueError(f"input: expected at least one time step and one sequence, got shape {tuple(input.shape)}")
+        if sequence.shape[0] == 0:  # as torch; a batch of 0 sequences is fine
+            raise ValueError(f"input: expected at least one time step, got shape {tuple(input.shape)}")
         return sequence, batched
 
     def _state_shapes(self, batch_size: int) -> list[tuple[int, ...]]:
         return [(self.num_layers * self.num_directions, batch_size, self.output_size)]
 
-    def _initial_states(self, hx, batch_size: int, batched: bool, dtype) -> list[mx.array]:
+    def _initial_states(self, hx, batch_size: int, batched: bool) -> list[mx.array]:
+        """The initial states (h, and c for the LSTM) as (L * dirs, B, .) arrays: hx checked, or zeros."""
         shapes = self._state_shapes(batch_size)
         if hx is None:
-            return [mx.zeros(shape, dtype) for shape in shapes]
+            return [mx.zeros(shape, self.weight_ih_l0.dtype) for shape in shapes]
         if len(shapes) == 1:
-            given, names = [hx], ["hx"]
+            given, names = [hx], ["hx (h_0)"]
         elif isinstance(hx, (tuple, list)) and len(hx) == 2:
             given, names = list(hx), ["hx[0] (h_0)", "hx[1] (c_0)"]
         else:
-            raise TypeError(f"hx: expected a tuple (h_0, c_0) or None, got {type(hx).__name__}")
+            what = f"a {type(hx).__name__} of {len(hx)}" if isinstance(hx, (tuple, list)) else type(hx).__name__
+            raise TypeError(f"hx: expected a tuple (h_0, c_0) or None, got {what}")
         states = []
         for state, shape, name in zip(given, shapes, names, strict=True):
             if not isinstance(state, mx.array):
@@ -233,6 +266,7 @@ class _RNNBase(TorchStateDictMixin, nn.Module):
             expected = shape if batched else (shape[0], shape[2])
             if tuple(state.shape) != expected:
                 raise ValueError(f"{name}: expected shape {expected}, got {tuple(state.shape)}")
+            self._check_dtype(name, state, "weight_hh_l0")
             states.append(state if batched else state[:, None])
         return states
 
@@ -270,8 +304,7 @@ class RNN(_RNNRecurrence, _RNNBase):
         dropout: float = 0.0,
         bidirectional: bool = False,
     ):
-        if nonlinearity not in ("tanh", "relu"):
-            raise ValueError(f"nonlinearity: expected 'tanh' or 'relu', got {nonlinearity!r}")
+        check_choice("nonlinearity", nonlinearity, ("tanh", "relu"))
         super().__init__(input_size, hidden_size, num_layers, bias, batch_first, dropout, bidirectional)
         self.nonlinearity = nonlinearity
 
