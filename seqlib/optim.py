@@ -62,6 +62,9 @@ class _TorchOptimizer(optim.Optimizer):
         if not callable(learning_rate) and not isinstance(learning_rate, mx.array):
             _real("learning_rate", learning_rate)
         self._maybe_schedule("learning_rate", learning_rate)
+        if not isinstance(self.learning_rate, mx.array):
+            raise TypeError(f"learning_rate: a schedule must return an mlx.core.array (as mlx.optimizers' "
+                            f"schedules do), got {type(self.learning_rate).__name__}")  # fmt: skip
         if self.learning_rate.size != 1:
             raise ValueError(f"learning_rate: expected one number, got an array of shape {self.learning_rate.shape}")
         _check_range("learning_rate", self.learning_rate, low_open=positive_learning_rate)

@@ -34,7 +34,7 @@ from mlx.utils import tree_flatten, tree_unflatten
 from seqlib._checks import as_index_array, check_index_range, check_weight
 from seqlib.interop import to_mlx_array
 
-__all__ = ["SparseGradient", "value_and_grad"]
+__all__ = ["SparseGradient", "lookup_table", "value_and_grad"]
 
 
 @dataclass(frozen=True)

@@ -335,6 +335,7 @@ def test_optimizer_arguments_are_accepted_and_refused_as_torch_does(case):
         ("Adagrad", {"eps": None}, TypeError, ["eps", "NoneType"]),
         ("SGD", {"momentum": math.nan}, ValueError, ["momentum", "nan"]),  # torch lets NaN through here
         ("SGD", {"learning_rate": lambda step: -0.1 * mx.ones(())}, ValueError, ["learning_rate"]),
+        ("Adagrad", {"learning_rate": lambda step: 0.1}, TypeError, ["learning_rate", "schedule", "float"]),
     ],
 )
 def test_optimizer_constructors_refuse_malformed_arguments(name, kwargs, error, words):
