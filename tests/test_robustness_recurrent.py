@@ -307,9 +307,9 @@ def test_half_precision_modules_still_take_their_own_dtype(kind, dtype, backend)
 NAN_KINDS = ("RNN", "RNN_relu", "LSTM", "GRU", "RNNCell", "RNNCell_relu", "LSTMCell", "GRUCell")
 
 
-def nan_input(kind, seed=0):
+def nan_input(kind, seed=0, batch=3):
     rng = np.random.default_rng(seed)
-    shape = (4, 3) if "Cell" in kind else (4, 3, 3)
+    shape = (batch + 1, 3) if "Cell" in kind else (4, batch, 3)
     x = rng.normal(0, 2, shape).astype(np.float32)
     x.reshape(-1, 3)[[1, 5 % x.reshape(-1, 3).shape[0]], 0] = np.nan  # NaN in two rows, one feature
     x.reshape(-1, 3)[2, 1] = np.inf
@@ -317,11 +317,13 @@ def nan_input(kind, seed=0):
     return x
 
 
+# batch 3: the whole-sequence kernels (B <= 8); batch 9: one cell kernel per step
+@pytest.mark.parametrize("batch", [3, 1 + kernels.SEQUENCE_KERNEL_MAX_BATCH])
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("kind", NAN_KINDS)
-def test_nan_and_inf_inputs_propagate_as_in_torch(kind, backend):
+def test_nan_and_inf_inputs_propagate_as_in_torch(kind, backend, batch):
     ours, theirs = module_pair(kind, 3, 5)
-    x = nan_input(kind)
+    x = nan_input(kind, batch=batch)
     with on_backend(backend):
         got = ours(mx.array(x))
         mx.eval(got)
