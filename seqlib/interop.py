@@ -32,7 +32,7 @@ def to_mlx_array(value, dtype: mx.Dtype | None = None, name: str = "value") -> m
     if tensor_class is not None and isinstance(value, tensor_class):
         value = _torch_to_numpy(value, name)
     if isinstance(value, np.ndarray):
-        if value.dtype.kind not in "biufc" or value.dtype in (np.longdouble, np.clongdouble):
+        if value.dtype.kind not in "biufc" or value.dtype.itemsize > (16 if value.dtype.kind == "c" else 8):
             raise TypeError(f"{name}: NumPy dtype {value.dtype} has no MLX equivalent")
         value = mx.array(value)
     if not isinstance(value, mx.array):

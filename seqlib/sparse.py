@@ -31,7 +31,7 @@ import mlx.nn as nn
 import numpy as np
 from mlx.utils import tree_flatten, tree_unflatten
 
-from seqlib._checks import as_index_array, check_index_range, check_weight
+from seqlib._checks import as_index_array, check_float_array, check_index_range, check_table_sizes, check_weight
 from seqlib.interop import to_mlx_array
 
 __all__ = ["SparseGradient", "lookup_table", "value_and_grad"]
@@ -59,13 +59,9 @@ class SparseGradient:
         indices = as_index_array(self.indices, "indices")
         if indices.ndim != 1:
             raise ValueError(f"indices: expected a 1-D array of row ids, got shape {tuple(indices.shape)}")
-        values = _as_float_array(self.values, "values")
         shape = _table_shape(self.shape)
-        if values.shape != (indices.size, shape[1]):
-            raise ValueError(
-                f"values: expected shape (len(indices), shape[1]) = ({indices.size}, {shape[1]}), "
-                f"got {tuple(values.shape)}"
-            )
+        values = to_mlx_array(self.values, name="values")
+        check_float_array(values, "values (len(indices), shape[1])", shape=(indices.size, shape[1]))
         check_index_range(indices, shape[0], "indices", "shape[0]")
         for name, value in (("indices", indices), ("values", values), ("shape", shape)):
             object.__setattr__(self, name, value)
@@ -94,22 +90,14 @@ class SparseGradient:
         return mx.zeros(self.shape, self.values.dtype).at[self.indices].add(self.values)
 
 
-def _as_float_array(value, name: str) -> mx.array:
-    value = to_mlx_array(value, name=name)
-    if not mx.issubdtype(value.dtype, mx.floating):
-        raise TypeError(f"{name}: expected a floating dtype, got {value.dtype}")
-    return value
-
-
-def _is_int(value) -> bool:
-    return isinstance(value, (int, np.integer)) and not isinstance(value, bool)
-
-
 def _table_shape(shape) -> tuple[int, int]:
-    sizes_ok = isinstance(shape, (tuple, list)) and len(shape) == 2 and all(_is_int(size) for size in shape)
-    if not sizes_ok or min(shape) < 0:
-        raise ValueError(f"shape: expected the table's (num_embeddings, embedding_dim), two ints >= 0, got {shape!r}")
-    return (int(shape[0]), int(shape[1]))
+    """``shape`` as the table's ``(num_embeddings, embedding_dim)``, after checking it is one."""
+    if not isinstance(shape, (tuple, list)):
+        raise TypeError(f"shape: expected the table's (num_embeddings, embedding_dim), got {type(shape).__name__}")
+    if len(shape) != 2:
+        raise ValueError(f"shape: expected the table's (num_embeddings, embedding_dim), got {tuple(shape)}")
+    check_table_sizes(**{"shape[0]": shape[0], "shape[1]": shape[1]})
+    return int(shape[0]), int(shape[1])
 
 
 @dataclass
