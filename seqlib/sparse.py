@@ -37,7 +37,7 @@ from seqlib.interop import to_mlx_array
 __all__ = ["SparseGradient", "lookup_table", "value_and_grad"]
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class SparseGradient:
     """The gradient of a (V, D) table as the rows that have one, like torch's sparse COO ``grad``.
 
@@ -47,7 +47,8 @@ class SparseGradient:
     ``torch.sparse_coo_tensor`` does with its invariant checks on.  Like torch's, the rows
     may repeat: a repeated row stands for the sum of its values (see :meth:`coalesce`,
     which the optimizers apply first).  :func:`value_and_grad` gives coalesced ones:
-    sorted unique rows.
+    sorted unique rows.  Two gradients compare equal only if they are the same object
+    (compare their :meth:`to_dense` arrays for values).
     """
 
     indices: mx.array  # (U,) row ids in [0, V)

@@ -177,6 +177,11 @@ def test_sparse_gradient_construction_refuses_malformed_parts(indices, values, s
         assert word in str(raised.value), (word, str(raised.value))
 
 
+def test_sparse_gradients_compare_by_identity_instead_of_failing_inside_mlx():
+    first, second = (SparseGradient(mx.array([0, 1]), mx.ones((2, 2)), (3, 2)) for _ in range(2))
+    assert first == first and first != second and len({first, second}) == 2
+
+
 def test_sparse_gradient_takes_numpy_and_torch_values():
     gradient = SparseGradient(np.array([3, 1]), torch.ones(2, 2, dtype=torch.bfloat16), (4, 2))
     assert gradient.values.dtype == mx.float32 and gradient.indices.dtype == mx.int64
