@@ -916,3 +916,27 @@ def test_drawn_layer_and_cell_calls_match_torch_or_raise_a_clear_error(case):
         return
     assert outcome.kind == "returned", f"{case}: torch gave a result, seqlib {outcome}"
     assert_same(outcome.value, expected, rtol=1e-5, atol=1e-6)
+
+
+def lengths_of(batch_sizes, sorted_indices, unsorted_indices):
+    as_array = lambda values: None if values is None else mx.array(values)
+    packed = PackedSequence(mx.zeros((sum(batch_sizes), 2)), mx.array(batch_sizes), as_array(sorted_indices),
+                            as_array(unsorted_indices))
+    return packed.lengths()
+
+
+@pytest.mark.parametrize(
+    ("batch_sizes", "sorted_indices", "unsorted_indices", "named"),
+    [
+        ([2, 3], None, None, "batch_sizes"),
+        ([2, 0], None, None, "batch_sizes"),
+        ([2, 1], [0, 1], [0, 5], "unsorted_indices"),
+        ([2, 1], None, [-1, 0], "unsorted_indices"),
+    ],
+)
+def test_lengths_of_a_malformed_sequence_is_a_clear_error(batch_sizes, sorted_indices, unsorted_indices, named):
+    assert_clear_error(run_isolated(lengths_of, batch_sizes, sorted_indices, unsorted_indices), named)
+
+
+def test_lengths_in_the_callers_order():
+    np.testing.assert_array_equal(lengths_of([3, 2, 1], [2, 0, 1], [1, 2, 0]), [2, 1, 3])

@@ -50,12 +50,11 @@ class PackedSequence(NamedTuple):
     unsorted_indices: mx.array | None = None  # (B,) int64: the inverse permutation
 
     def lengths(self) -> np.ndarray:
-        """Each sequence's length, in the original batch order."""
-        sizes = np.array(self.batch_sizes)
+        """Each sequence's length, in the original batch order (the sequence is checked first)."""
+        layout = _layout(self, "self")
+        sizes = layout.batch_sizes
         sorted_lengths = (sizes[None, :] > np.arange(sizes[0])[:, None]).sum(axis=1)
-        if self.unsorted_indices is None:
-            return sorted_lengths
-        return sorted_lengths[np.array(self.unsorted_indices)]
+        return sorted_lengths if layout.unsorted is None else sorted_lengths[layout.unsorted]
 
 
 class _Layout(NamedTuple):
