@@ -46,6 +46,8 @@ for (uint n = start; n < end; ++n) {
   }
   float value = float(weight[uint(row) * embedding_dim + d]);
   if (MODE == 2) {
+    // torch's CPU rule: the first entry, then only strictly greater values.  NaN compares
+    // false both ways, so it wins only as the first entry (MLX compiles without fast math).
     if (count == 0 || value > best) {
       best = value;
       best_entry = int(n);

@@ -55,7 +55,7 @@ def embedding_renorm(weight: mx.array, input: mx.array, max_norm: float, norm_ty
     indices = as_index_array(input, "input")
     check_index_range(indices, weight.shape[0], "input")
     unique_rows = mx.array(np.unique(np.asarray(indices).reshape(-1)).astype(np.int32))
-    if unique_rows.size == 0:
+    if unique_rows.size == 0 or weight.size == 0:  # nothing to rescale (MLX cannot scatter into an empty table)
         return weight
     if kernels.backend() == "metal":
         scale = kernels._embedding_renorm_scales(weight, unique_rows, max_norm, norm_type)  # checked above
@@ -127,6 +127,9 @@ def embedding(
       index occurs in ``input``.
     - ``sparse`` is accepted for torch's signature; a functional call has no weight to
       own a sparse gradient, so see :func:`seqlib.sparse.value_and_grad` for modules.
+
+    ``input`` is an MLX or NumPy array of any integer dtype (torch: int32/int64 tensors);
+    unlike torch, a negative ``max_norm`` and a ``norm_type`` <= 0 raise a ValueError.
     """
     check_weight(weight)
     indices = as_index_array(input, "input")
@@ -134,6 +137,8 @@ def embedding(
     check_index_range(indices, num_embeddings, "input")
     padding_idx = normalize_padding_idx(padding_idx, num_embeddings)
     check_max_norm(max_norm, norm_type)
+    if weight.size == 0:  # V or D is 0: nothing to read (and MLX cannot scatter a gradient into it)
+        return mx.zeros((*indices.shape, weight.shape[1]), weight.dtype)
 
     if max_norm is not None:
         weight = renorm_for_lookup(weight, indices, max_norm, norm_type)
@@ -281,6 +286,8 @@ def embedding_bag(
     check_index_range(indices, num_embeddings, "input")
     padding_idx = normalize_padding_idx(padding_idx, num_embeddings)
     check_max_norm(max_norm, norm_type)
+    if weight.size == 0:  # V or D is 0: empty bags or no columns (and MLX cannot scatter a gradient into it)
+        return mx.zeros((bag_bounds(offsets, indices.size, include_last_offset).size - 1, embedding_dim), weight.dtype)
     if kernels.backend() == "metal" and not scale_grad_by_freq:
         ends = bag_bounds(offsets, indices.size, include_last_offset)
         if max_norm is not None:

@@ -18,7 +18,9 @@ class _Table(TorchStateDictMixin, nn.Module):
 
     Sizes may be 0, as in torch (an empty table); ``_weight`` (V, D), as torch's, is
     taken as the weight instead of a random one (its padding row left as given),
-    ``_freeze`` freezes it.
+    ``_freeze`` freezes it.  Unlike torch, seqlib refuses at construction a negative
+    ``max_norm`` (torch flips the rows' signs), a ``norm_type`` <= 0 (no norm) and an
+    integer table (seqlib's tables are trained; torch looks integer tables up too).
     """
 
     def __init__(self, num_embeddings, embedding_dim, padding_idx, max_norm, norm_type, scale_grad_by_freq,
@@ -143,7 +145,9 @@ class EmbeddingBag(_Table):
     Call as ``bag(input, offsets=None, per_sample_weights=None)``; see
     :func:`seqlib.functional.embedding_bag` for the forms of ``input``.  Options,
     parameter and ``from_pretrained`` as in :class:`Embedding`, plus ``mode``
-    (``"sum"``, ``"mean"`` or ``"max"``) and ``include_last_offset``.
+    (``"sum"``, ``"mean"`` or ``"max"``) and ``include_last_offset``.  A bad ``mode``,
+    or ``mode="max"`` with ``sparse`` or ``scale_grad_by_freq``, is refused here at
+    construction (torch waits for the first call).
     """
 
     def __init__(
