@@ -79,19 +79,22 @@ class _TorchOptimizer(optim.Optimizer):
         """Check ``gradients`` against ``parameters`` (names, shapes, dtypes), then apply them."""
         if not isinstance(parameters, (dict, list, tuple)):
             raise TypeError(f"parameters: expected a tree (dict) of parameters, got {type(parameters).__name__}")
-        self._check_gradients(gradients, parameters)
+        self._check_gradients(gradients, parameters, self.state)
         self.init(gradients)  # state for parameters that get their first gradient now
         return super().apply_gradients(gradients, parameters)
 
-    def _check_gradients(self, gradients, parameters, name: str = "") -> None:
-        """Walk ``gradients`` alongside ``parameters``: every gradient must have a parameter and fit it."""
+    def _check_gradients(self, gradients, parameters, state, name: str = "") -> None:
+        """Walk ``gradients`` with ``parameters`` and ``state``: each gradient must have a parameter and fit it."""
         if isinstance(parameters, mx.array):
-            return self._check_gradient(name, gradients, parameters)
+            self._check_gradient(name, gradients, parameters)
+            return _check_state(name, state, parameters)
         where = f"gradients[{name!r}]" if name else "gradients"
         if isinstance(gradients, dict) and isinstance(parameters, dict):
             items, known = gradients.items(), parameters
+            states = state if isinstance(state, dict) else {}
         elif isinstance(gradients, (list, tuple)) and isinstance(parameters, (list, tuple)):
             items, known = enumerate(gradients), range(len(parameters))
+            states = dict(enumerate(state)) if isinstance(state, (list, tuple)) else {}
         elif isinstance(parameters, (dict, list, tuple)):
             kind = "dict" if isinstance(parameters, dict) else "list"
             raise TypeError(f"{where}: expected a {kind} of gradients (like the parameters), "
@@ -102,7 +105,7 @@ class _TorchOptimizer(optim.Optimizer):
             child = f"{name}.{key}" if name else str(key)
             if key not in known:
                 raise ValueError(f"gradients[{child!r}]: the model has no parameter of that name")
-            self._check_gradients(gradient, parameters[key], child)
+            self._check_gradients(gradient, parameters[key], states.get(key, {}), child)
 
     def _check_gradient(self, name: str, gradient, parameter) -> None:
         where = f"gradients[{name!r}]"
@@ -130,6 +133,16 @@ class _TorchOptimizer(optim.Optimizer):
         """This parameter's step number (1 on its first gradient), as torch's per-parameter ``step``."""
         state["step"] = state["step"] + 1
         return state["step"]
+
+
+def _check_state(name: str, state, parameter: mx.array) -> None:
+    """Raise unless the optimizer's state for ``name`` (if any) was made for a parameter of this shape."""
+    for key, value in state.items() if isinstance(state, dict) else ():
+        if isinstance(value, mx.array) and value.ndim and value.shape != parameter.shape:
+            raise ValueError(
+                f"gradients[{name!r}]: the optimizer's {key!r} state has shape {tuple(value.shape)}, the parameter "
+                f"{tuple(parameter.shape)}; use a new optimizer for a new or resized model"
+            )
 
 
 class SGD(_TorchOptimizer):

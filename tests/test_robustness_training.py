@@ -70,6 +70,15 @@ def dense_update(name, kwargs, gradients, dtype="float32"):
     return table.weight
 
 
+def reuse_optimizer_on_a_bigger_table(name, bigger_rows):
+    """One step on a (4, 2) table, then the same optimizer on a (bigger_rows, 2) table's last row."""
+    optimizer = make_optimizer(name, **({"momentum": 0.5} if name == "SGD" else {}))
+    for rows in (4, bigger_rows):
+        table = seqlib.nn.Embedding(rows, 2, sparse=True)
+        optimizer.update(table, {"weight": SparseGradient(mx.array([rows - 1]), mx.ones((1, 2)), (rows, 2))})
+    return table.weight
+
+
 def construct_and_densify(indices, values, shape):
     return SparseGradient(mx.array(indices), mx.array(values), shape).to_dense()
 
@@ -203,6 +212,12 @@ def test_out_of_range_sparse_rows_never_reach_an_optimizers_scatter(name, bad_in
 def test_a_sparse_gradient_for_a_bigger_table_is_refused_before_its_rows_are_written(name):
     outcome = run_isolated(sparse_update, name, {}, [1, 7], np.ones((2, 2), np.float32), (8, 2), (4, 2))
     assert_clear_error(outcome, "weight", "(4, 2)", "(8, 2)", allowed=(ValueError,), case=name)
+
+
+@pytest.mark.parametrize("name", OPTIMIZER_NAMES)
+def test_an_optimizer_reused_on_a_bigger_table_refuses_instead_of_scattering_past_its_state(name):
+    outcome = run_isolated(reuse_optimizer_on_a_bigger_table, name, 10**6)
+    assert_clear_error(outcome, "'weight'", "(4, 2)", "(1000000, 2)", "new optimizer", allowed=(ValueError,))
 
 
 # ------------------------------------------------------------------ optimizers: against torch
