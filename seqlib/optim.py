@@ -138,10 +138,12 @@ class _TorchOptimizer(optim.Optimizer):
 def _check_state(name: str, state, parameter: mx.array) -> None:
     """Raise unless the optimizer's state for ``name`` (if any) was made for a parameter of this shape."""
     for key, value in state.items() if isinstance(state, dict) else ():
-        if isinstance(value, mx.array) and value.ndim and value.shape != parameter.shape:
+        if not isinstance(value, mx.array) or value.ndim == 0:
+            continue
+        if value.shape != parameter.shape or value.dtype != parameter.dtype:
             raise ValueError(
-                f"gradients[{name!r}]: the optimizer's {key!r} state has shape {tuple(value.shape)}, the parameter "
-                f"{tuple(parameter.shape)}; use a new optimizer for a new or resized model"
+                f"gradients[{name!r}]: the optimizer's {key!r} state is {tuple(value.shape)} {value.dtype}, the "
+                f"parameter {tuple(parameter.shape)} {parameter.dtype}; use a new optimizer for a new or changed model"
             )
 
 

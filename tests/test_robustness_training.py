@@ -220,6 +220,16 @@ def test_an_optimizer_reused_on_a_bigger_table_refuses_instead_of_scattering_pas
     assert_clear_error(outcome, "'weight'", "(4, 2)", "(1000000, 2)", "new optimizer", allowed=(ValueError,))
 
 
+@pytest.mark.parametrize("name", ["SGD", "Adagrad"])
+def test_an_optimizer_reused_after_a_dtype_change_refuses_instead_of_promoting_the_parameter(name):
+    optimizer = make_optimizer(name, **({"momentum": 0.5} if name == "SGD" else {}))
+    table = seqlib.nn.Embedding(4, 2)
+    optimizer.update(table, {"weight": mx.ones((4, 2))})
+    table.set_dtype(mx.float16)
+    with pytest.raises(ValueError, match=r"'weight'.*float32.*float16"):
+        optimizer.update(table, {"weight": mx.ones((4, 2), mx.float16)})
+
+
 # ------------------------------------------------------------------ optimizers: against torch
 
 
