@@ -29,6 +29,12 @@ __all__ = ["embedding", "embedding_bag", "embedding_renorm", "renorm_for_lookup"
 BAG_MODES = ("sum", "mean", "max")
 
 
+def _metal_serves(weight: mx.array) -> bool:
+    """Whether ``weight`` goes through the Metal kernels: on the Metal backend, in a dtype they take
+    (float64, which MLX keeps on the CPU, takes the ops path)."""
+    return kernels.backend() == "metal" and weight.dtype in kernels.FLOAT_DTYPES
+
+
 def _row_norms(rows: mx.array, norm_type: float) -> mx.array:
     """The ``norm_type``-norm of each row of ``rows`` (n, D), computed in float32."""
     rows = mx.abs(rows.astype(mx.float32))
@@ -57,7 +63,7 @@ def embedding_renorm(weight: mx.array, input: mx.array, max_norm: float, norm_ty
     unique_rows = mx.array(np.unique(np.asarray(indices).reshape(-1)).astype(np.int32))
     if unique_rows.size == 0 or weight.size == 0:  # nothing to rescale (MLX cannot scatter into an empty table)
         return weight
-    if kernels.backend() == "metal":
+    if _metal_serves(weight):
         scale = kernels._embedding_renorm_scales(weight, unique_rows, max_norm, norm_type)  # checked above
     else:
         norms = _row_norms(weight[unique_rows], norm_type)  # (n,)
@@ -142,7 +148,7 @@ def embedding(
 
     if max_norm is not None:
         weight = renorm_for_lookup(weight, indices, max_norm, norm_type)
-    if kernels.backend() == "metal":
+    if _metal_serves(weight):
         grad_scale = _inverse_frequency(indices).reshape(-1) if scale_grad_by_freq else None
         return kernels._embedding(weight, indices, padding_idx, grad_scale)  # checked above
     rows = mx.take(weight, indices, axis=0)  # (*, D)
@@ -288,7 +294,7 @@ def embedding_bag(
     check_max_norm(max_norm, norm_type)
     if weight.size == 0:  # V or D is 0: empty bags or no columns (and MLX cannot scatter a gradient into it)
         return mx.zeros((bag_bounds(offsets, indices.size, include_last_offset).size - 1, embedding_dim), weight.dtype)
-    if kernels.backend() == "metal" and not scale_grad_by_freq:
+    if _metal_serves(weight) and not scale_grad_by_freq:
         ends = bag_bounds(offsets, indices.size, include_last_offset)
         if max_norm is not None:
             weight = renorm_for_lookup(weight, indices, max_norm, norm_type)

@@ -1132,6 +1132,27 @@ def test_zero_dimensional_input(backend):
         check_against_torch(case, backend, ("input", "()"))
 
 
+def float64_lookups(backend):
+    weight = mx.array(np.arange(12.0).reshape(4, 3), dtype=mx.float64)
+    with _on(backend):
+        return (F.embedding(mx.array([[1, 2]]), weight, max_norm=5.0),
+                F.embedding_bag(mx.array([1, 2, 3]), weight, mx.array([0, 1]), mode="max"))  # fmt: skip
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_float64_tables_work_on_both_backends(backend):
+    """The Metal kernels take float32/16 and bfloat16; a float64 table (MLX keeps it on the CPU) takes
+    the ops path there instead of failing inside the kernel launch."""
+    outcome = run_isolated(float64_lookups, backend)
+    assert outcome.kind == "returned", outcome
+    table = torch.arange(12.0, dtype=torch.float64).reshape(4, 3)
+    lookup = torch.nn.functional.embedding(torch.tensor([[1, 2]]), table.clone(), max_norm=5.0)
+    bags = torch.nn.functional.embedding_bag(torch.tensor([1, 2, 3]), table, torch.tensor([0, 1]), mode="max")
+    assert outcome.value[0].dtype == np.float64
+    np.testing.assert_allclose(outcome.value[0], lookup.numpy(), rtol=1e-6)  # seqlib takes norms in float32
+    np.testing.assert_array_equal(outcome.value[1], bags.numpy())
+
+
 def failed_call_leaves_weight(kind, backend):
     """A module with max_norm called with bad offsets: the error comes, and the weight is unchanged."""
     weight = mx.full((4, 2), 3.0)
