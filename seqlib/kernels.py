@@ -557,15 +557,15 @@ _BAG_INPUTS = ("d_out", "indices", "bag_of_entry", "bag_size", "per_sample_weigh
 
 def _checked_bags(weight, indices, offsets, mode: str, per_sample_weights, padding_idx):
     """The checks embedding_bag and embedding_bag_sparse_rows share.
-    indices = as_index_array(indices, "indices")
-    if indices.ndim != 1:
-        raise ValueError(f"indices: expected a 1-D array (bags come from offsets), got shape {tuple(indices.shape)}")
 
     Returns flat int32 indices, the bag ends (B + 1,) as NumPy and the padding row.
     """
     num_embeddings, _, padding_idx = _check_table(weight, padding_idx)
     if mode not in BAG_MODES:
         raise ValueError(f"mode: expected one of {tuple(BAG_MODES)}, got {mode!r}")
+    indices = as_index_array(indices, "indices")
+    if indices.ndim != 1:
+        raise ValueError(f"indices: expected a 1-D array (bags come from offsets), got shape {tuple(indices.shape)}")
     flat = _checked_indices("indices", indices, num_embeddings)
     ends = checked_offsets(offsets, flat.size)
     check_per_sample_weights(per_sample_weights, mode, (flat.size,), weight.dtype, of="indices")
@@ -681,7 +681,8 @@ def embedding_bag_sparse_rows(
     """embedding_bag_sparse_backward.metal: the table gradient as one (N, D) row per entry.
 
     Row n is what entry n sends to ``weight[indices[n]]`` (torch's uncoalesced sparse
-    gradient: adding rows with equal indices gives the dense gradient's rows).
+    gradient: adding rows with equal indices gives the dense gradient's rows).  Arguments
+    as :func:`embedding_bag`'s; d_out (B, D) in weight's dtype.
     """
     flat, ends, padding_idx = _checked_bags(weight, indices, offsets, mode, per_sample_weights, padding_idx)
     ends, bag_of_entry, bag_size = _bag_membership(flat, ends, padding_idx)
