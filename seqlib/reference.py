@@ -27,6 +27,8 @@ import math
 
 import numpy as np
 
+from seqlib._checks import check_choice
+
 __all__ = [
     "gru_backward", "gru_cell", "gru_cell_scalar", "gru_forward",
     "lstm_backward", "lstm_cell", "lstm_cell_scalar", "lstm_forward", "lstm_gates_scalar",
@@ -43,6 +45,7 @@ def sigmoid_scalar(x: float) -> float:
 
 def rnn_cell_scalar(x, h, w_ih, w_hh, b_ih, b_hh, nonlinearity="tanh"):
     """One step of a one-unit RNN: every argument is a float."""
+    check_choice("nonlinearity", nonlinearity, ("tanh", "relu"))
     a = w_ih * x + b_ih + w_hh * h + b_hh
     return math.tanh(a) if nonlinearity == "tanh" else max(a, 0.0)
 
@@ -80,13 +83,33 @@ def sigmoid(x: np.ndarray) -> np.ndarray:
     return 1.0 / (1.0 + np.exp(-x))
 
 
+def _check_cell_shapes(x, h, weight_ih, weight_hh, bias_ih, bias_hh) -> None:
+    """Raise a ValueError naming the first argument that does not fit torch's layout: NumPy would
+    broadcast a wrong bias or state silently, or fail without saying which argument is wrong."""
+    if np.ndim(weight_hh) != 2 or np.ndim(weight_ih) != 2:
+        raise ValueError(
+            "weight_ih, weight_hh: expected 2-D arrays (G*H, D) and (G*H, H), "
+            f"got shapes {np.shape(weight_ih)} and {np.shape(weight_hh)}"
+        )
+    rows, hidden = np.shape(weight_hh)
+    inputs = np.shape(weight_ih)[1]
+    batch = np.shape(x)[0] if np.ndim(x) == 2 else "B"
+    expected = {"weight_ih": (rows, inputs), "bias_ih": (rows,), "bias_hh": (rows,), "x": (batch, inputs),
+                "h": (batch, hidden)}  # fmt: skip
+    for name, value in zip(expected, (weight_ih, bias_ih, bias_hh, x, h), strict=True):
+        if np.shape(value) != expected[name]:
+            raise ValueError(f"{name}: expected shape {expected[name]}, got {np.shape(value)}")
+
+
 def _gate_blocks(x, h, weight_ih, weight_hh, bias_ih, bias_hh):
     """The input side and the hidden side of every gate's pre-activation: two (B, G*H) arrays."""
+    _check_cell_shapes(x, h, weight_ih, weight_hh, bias_ih, bias_hh)
     return x @ weight_ih.T + bias_ih, h @ weight_hh.T + bias_hh
 
 
 def rnn_cell(x, h, weight_ih, weight_hh, bias_ih, bias_hh, nonlinearity="tanh"):
     """x (B, D), h (B, H) -> h' (B, H)."""
+    check_choice("nonlinearity", nonlinearity, ("tanh", "relu"))
     gi, gh = _gate_blocks(x, h, weight_ih, weight_hh, bias_ih, bias_hh)
     return np.tanh(gi + gh) if nonlinearity == "tanh" else np.maximum(gi + gh, 0.0)
 

@@ -95,3 +95,46 @@ def test_adding_problem_marks_one_step_in_each_half_and_sums_them(num_sequences,
 def test_python_source_tokens_refuses_bad_max_files(max_files):
     with pytest.raises((ValueError, TypeError), match="max_files"):
         seqlib.data.python_source_tokens(max_files)
+
+
+def reference_cell(kind, shapes, nonlinearity="tanh"):
+    arrays = [np.zeros(shape) for shape in shapes]
+    if kind == "lstm":
+        x, h, *params = arrays
+        return seqlib.reference.lstm_cell(x, h, h, *params)
+    cell = {"rnn": seqlib.reference.rnn_cell, "gru": seqlib.reference.gru_cell}[kind]
+    return cell(*arrays, nonlinearity=nonlinearity) if kind == "rnn" else cell(*arrays)
+
+
+GOOD = {"rnn": 1, "lstm": 4, "gru": 3}  # gate blocks
+
+
+def good_shapes(kind, batch=2, inputs=3, hidden=5):
+    rows = GOOD[kind] * hidden
+    return [(batch, inputs), (batch, hidden), (rows, inputs), (rows, hidden), (rows,), (rows,)]
+
+
+@pytest.mark.parametrize("kind", ["rnn", "lstm", "gru"])
+@pytest.mark.parametrize(
+    ("position", "shape", "named"),
+    [(0, (2, 4), "x"), (0, (3,), "x"), (2, (5, 3), "weight_ih"), (1, (1, 5), "h"), (1, (5,), "h"), (4, (1,), "bias_ih"),
+     (5, (7,), "bias_hh"), (3, (5,), "weight_hh")],
+)  # fmt: skip
+def test_reference_cells_name_the_argument_whose_shape_is_wrong(kind, position, shape, named):
+    shapes = good_shapes(kind)
+    shapes[position] = shape
+    with pytest.raises(ValueError, match=named):
+        reference_cell(kind, shapes)
+
+
+@pytest.mark.parametrize("kind", ["rnn", "lstm", "gru"])
+def test_reference_cells_accept_torchs_layout(kind):
+    assert reference_cell(kind, good_shapes(kind))[0].shape[-1] == 5
+
+
+@pytest.mark.parametrize("nonlinearity", ["Tanh", "sigmoid", None])
+def test_an_unknown_nonlinearity_is_refused_not_read_as_relu(nonlinearity):
+    with pytest.raises(ValueError, match="nonlinearity"):
+        reference_cell("rnn", good_shapes("rnn"), nonlinearity)
+    with pytest.raises(ValueError, match="nonlinearity"):
+        seqlib.reference.rnn_cell_scalar(0.5, 0.1, 1.0, 1.0, 0.0, 0.0, nonlinearity)
