@@ -117,7 +117,7 @@ def good_shapes(kind, batch=2, inputs=3, hidden=5):
 @pytest.mark.parametrize("kind", ["rnn", "lstm", "gru"])
 @pytest.mark.parametrize(
     ("position", "shape", "named"),
-    [(0, (2, 4), "x"), (0, (3,), "x"), (2, (5, 3), "weight_ih"), (1, (1, 5), "h"), (1, (5,), "h"), (4, (1,), "bias_ih"),
+    [(0, (2, 4), "x"), (0, (3,), "x"), (2, (4, 3), "weight_ih"), (1, (1, 5), "h"), (1, (5,), "h"), (4, (1,), "bias_ih"),
      (5, (7,), "bias_hh"), (3, (5,), "weight_hh")],
 )  # fmt: skip
 def test_reference_cells_name_the_argument_whose_shape_is_wrong(kind, position, shape, named):
