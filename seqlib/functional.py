@@ -277,8 +277,9 @@ def embedding_bag(
     ``mode="max"`` follows torch's CPU kernel: each column starts at the bag's first
     entry and moves only to a strictly greater value, so a NaN is the result only where
     it is the first entry, and the gradient goes to the entry that won.  Empty inputs
-    give empty results as in torch: (0, N) or empty ``offsets`` -> (0, D); a (B, 0) input
-    gives (B, D) zeros (torch 2.13 fails inside its own ``arange`` there).  With
+    give empty results as in torch: (0, N) or empty ``offsets`` -> (0, D) (torch's max and
+    padding_idx kernels crash on entries without offsets); a (B, 0) input gives (B, D)
+    zeros (torch 2.13 fails inside its own ``arange`` there).  With
     ``include_last_offset=True`` the last offset must be ``len(input)``: torch's kernels
     disagree about entries after it (pytorch#52851), so seqlib raises a ValueError.
     """
