@@ -300,7 +300,7 @@ def weight_0d(a, rng):
 
 
 def weight_int(a, rng):
-    a["weight"] = a["weight"].astype(np.int32)
+    a["weight"] = np.nan_to_num(a["weight"], nan=0.0, posinf=0.0, neginf=0.0).astype(np.int32)  # NaN has no int
     return ("floating", "int32")
 
 
@@ -537,6 +537,9 @@ def bag_cases(draw, ops=("embedding_bag", "EmbeddingBag")):
 def _deviation(case, corruption):
     if corruption in BAG_DEVIATIONS:
         return "raise"
+    table = case["args"].get("weight", case["args"].get("embeddings"))
+    if corruption and corruption.startswith("offsets") and table is not None and 0 in table.shape:
+        return "raise"  # torch checks offsets only where there is work: a table with no columns skips them
     inputs, offsets = case["args"]["input"], case["args"].get("offsets")
     if corruption is None and inputs.ndim == 2 and inputs.shape[1] == 0:
         return "zeros"  # torch 2.13 fails in its own arange (step 0); B empty bags are B rows of zeros
