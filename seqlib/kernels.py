@@ -689,8 +689,8 @@ def embedding_bag_sparse_rows(
     embedding_dim = weight.shape[1]
     _check_shape("d_out", d_out, (ends.size - 1, embedding_dim), weight.dtype)
     weighted = per_sample_weights is not None
-    if flat.size == 0 or embedding_dim == 0:
-        return mx.zeros((0, embedding_dim), d_out.dtype)
+    if flat.size == 0 or embedding_dim == 0:  # nothing to launch: still one (empty) row per entry
+        return mx.zeros((flat.size, embedding_dim), d_out.dtype)
     max_entry = mx.full((1,), -1, mx.int32)
     if mode == "max":
         no_weights = mx.ones((1,), weight.dtype)
