@@ -32,13 +32,16 @@ def as_index_array(value, name: str) -> mx.array:
     return value
 
 
-def check_index_range(indices: mx.array, upper: int, name: str, what: str = "num_embeddings") -> None:
-    """Raise an IndexError unless every element of ``indices`` lies in [0, upper)."""
+def check_index_range(indices: mx.array | np.ndarray, upper: int, name: str, what: str = "num_embeddings") -> None:
+    """Raise an IndexError unless every element of ``indices`` (MLX or NumPy) lies in [0, upper)."""
     if indices.size == 0:
         return
-    low, high = mx.min(indices), mx.max(indices)
-    mx.eval(low, high)
-    low, high = low.item(), high.item()
+    if isinstance(indices, np.ndarray):  # already on the host: no round trip through MLX
+        low, high = int(indices.min()), int(indices.max())
+    else:
+        low, high = mx.min(indices), mx.max(indices)
+        mx.eval(low, high)
+        low, high = low.item(), high.item()
     if low < 0 or high >= upper:
         raise IndexError(
             f"{name}: every index must lie in [0, {upper}) ({what}={upper}); "

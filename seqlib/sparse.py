@@ -230,7 +230,7 @@ def _record_rows(tables, fn, args, kwargs) -> list[np.ndarray]:
     for name, table in tables:
         calls = table._sparse_state.calls
         unique = np.unique(np.concatenate(calls)) if calls else np.zeros(0, np.int64)
-        check_index_range(mx.array(unique), table.weight.shape[0], f"input of {name or 'model'}")
+        check_index_range(unique, table.weight.shape[0], f"input of {name or 'model'}")
         unique_rows.append(unique)
     return unique_rows
 
