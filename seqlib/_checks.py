@@ -56,8 +56,8 @@ def check_positive_ints(**values) -> None:
             raise ValueError(f"{name}: expected a positive int, got {value!r}")
 
 
-def check_table_sizes(**values) -> None:
-    """Raise unless each of ``values`` is an int >= 0 (torch allows empty tables): TypeError, else ValueError."""
+def check_nonnegative_ints(**values) -> None:
+    """Raise unless each of ``values`` is an int >= 0 (torch allows empty tables, cells): TypeError or ValueError."""
     for name, value in values.items():
         if not isinstance(value, (int, np.integer)) or isinstance(value, bool):
             raise TypeError(f"{name}: expected an int >= 0, got {type(value).__name__} {value!r}")

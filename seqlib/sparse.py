@@ -31,7 +31,7 @@ import mlx.nn as nn
 import numpy as np
 from mlx.utils import tree_flatten, tree_unflatten
 
-from seqlib._checks import as_index_array, check_float_array, check_index_range, check_table_sizes, check_weight
+from seqlib._checks import as_index_array, check_float_array, check_index_range, check_nonnegative_ints, check_weight
 from seqlib.interop import to_mlx_array
 
 __all__ = ["SparseGradient", "lookup_table", "value_and_grad"]
@@ -97,7 +97,7 @@ def _table_shape(shape) -> tuple[int, int]:
         raise TypeError(f"shape: expected the table's (num_embeddings, embedding_dim), got {type(shape).__name__}")
     if len(shape) != 2:
         raise ValueError(f"shape: expected the table's (num_embeddings, embedding_dim), got {tuple(shape)}")
-    check_table_sizes(**{"shape[0]": shape[0], "shape[1]": shape[1]})
+    check_nonnegative_ints(**{"shape[0]": shape[0], "shape[1]": shape[1]})
     return int(shape[0]), int(shape[1])
 
 

@@ -21,7 +21,7 @@ import math
 import mlx.core as mx
 import mlx.nn as nn
 
-from seqlib._checks import check_choice
+from seqlib._checks import check_choice, check_nonnegative_ints
 from seqlib.interop import TorchStateDictMixin, register_from_torch
 from seqlib.nn.recurrent import _GRURecurrence, _LSTMRecurrence, _RNNRecurrence
 
@@ -33,7 +33,7 @@ class _Cell(TorchStateDictMixin, nn.Module):
 
     def __init__(self, input_size: int, hidden_size: int, bias: bool = True):
         super().__init__()
-        _check_sizes(input_size=input_size, hidden_size=hidden_size)
+        check_nonnegative_ints(input_size=input_size, hidden_size=hidden_size)  # torch's cells accept 0
         self.input_size, self.hidden_size, self.bias = input_size, hidden_size, bias
         bound = 1.0 / math.sqrt(hidden_size) if hidden_size > 0 else 0.0  # torch's bound
         rows = self.gate_blocks * hidden_size
@@ -125,15 +125,6 @@ class GRUCell(_GRURecurrence, _Cell):
 
     def __call__(self, input: mx.array, hx: mx.array | None = None) -> mx.array:
         return self._step_one_state(input, hx)
-
-
-def _check_sizes(**sizes) -> None:
-    """input_size and hidden_size: ints >= 0 (torch's cells accept 0; its layers do not)."""
-    for name, value in sizes.items():
-        if not isinstance(value, int) or isinstance(value, bool):
-            raise TypeError(f"{name}: expected an int >= 0, got {type(value).__name__} {value!r}")
-        if value < 0:
-            raise ValueError(f"{name}: expected an int >= 0, got {value}")
 
 
 def _cell_from_torch(cls, module, **options):

@@ -7,7 +7,7 @@ import mlx.nn as nn
 
 from seqlib import functional as F
 from seqlib import sparse
-from seqlib._checks import check_max_norm, check_table_sizes, check_weight, normalize_padding_idx
+from seqlib._checks import check_max_norm, check_nonnegative_ints, check_weight, normalize_padding_idx
 from seqlib.interop import TorchStateDictMixin, register_from_torch, to_mlx_array
 
 _TORCH_DTYPES = {"torch.float32": mx.float32, "torch.float16": mx.float16, "torch.bfloat16": mx.bfloat16}
@@ -26,7 +26,7 @@ class _Table(TorchStateDictMixin, nn.Module):
     def __init__(self, num_embeddings, embedding_dim, padding_idx, max_norm, norm_type, scale_grad_by_freq,
                  sparse, dtype, _weight=None, _freeze=False):  # fmt: skip
         super().__init__()
-        check_table_sizes(num_embeddings=num_embeddings, embedding_dim=embedding_dim)
+        check_nonnegative_ints(num_embeddings=num_embeddings, embedding_dim=embedding_dim)
         if not isinstance(dtype, mx.Dtype) or not mx.issubdtype(dtype, mx.floating):
             raise TypeError(f"dtype: expected a floating mlx.core.Dtype, got {dtype!r}")
         check_max_norm(max_norm, norm_type)
