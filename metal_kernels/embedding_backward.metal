@@ -16,8 +16,9 @@
 // The order of the atomic adds is not fixed, so sums of repeated rows can
 // differ from the MLX-ops path in the last bits.
 //
-// Reference: the scatter-add in chapter 1 and seqlib.functional.embedding's
-// autodiff path.  Napkin math: reads N*D values, N*D atomic read-modify-writes;
+// Reference: seqlib.reference.embedding_backward (the MLX-ops path:
+// seqlib.functional.embedding's autodiff).
+// Napkin math: reads N*D values, N*D atomic read-modify-writes;
 // no arithmetic to speak of, so it runs at atomic throughput.
 
 uint d = thread_position_in_grid.x;

@@ -2,17 +2,17 @@
 // the (N, D) matrix of looked-up rows.
 //
 // Body for mx.fast.metal_kernel with
-//   inputs  = ["weight", "indices", "offsets", "per_sample_weights", "padding_idx"]
+//   inputs  = ["weight", "indices", "bag_bounds", "per_sample_weights", "padding_idx"]
 //             weight (V, D); indices (N,) int32 in [0, V) (checked by seqlib);
-//             offsets (B + 1,) int32: bag b holds entries offsets[b] .. offsets[b + 1]
+//             bag_bounds (B + 1,) int32: bag b holds entries bag_bounds[b] .. bag_bounds[b + 1]
 //             (the CSR form; seqlib appends the end when include_last_offset=False);
 //             per_sample_weights (N,) T (read only when WEIGHTED);
 //             padding_idx int32 scalar, -1 for none: those entries are skipped
 //   outputs = ["out", "max_entry"]
-//             out (B, D); max_entry (B, D) int32: for MODE 2, the entry that won the
+//             out (B, D); max_entry (B, D) int32: for MODE_MAX, the entry that won the
 //             max of column d (the first one on ties, as torch), -1 for an empty bag;
 //             the backward sends the gradient there.  Other modes write -1.
-//   template T, MODE (int): 0 sum, 1 mean, 2 max; WEIGHTED (bool)
+//   template T, MODE (int): MODE_SUM, MODE_MEAN or MODE_MAX (seqlib_math.h); WEIGHTED (bool)
 //   grid    = (D, B, 1)
 //
 // One thread's job: column d of bag b.  It walks the bag's entries, reading
@@ -20,8 +20,9 @@
 // the only traffic is the rows themselves.  Empty bags (and bags of padding
 // only) give 0 in every mode; mean divides by the entries that count.
 //
-// Reference: seqlib.functional.embedding_bag (the bucketed MLX-ops path) and
-// chapter 2.  Napkin math: reads N*D table values and N indices per column
+// Reference: seqlib.reference.embedding_bag (the MLX-ops path:
+// seqlib.functional.embedding_bag).
+// Napkin math: reads N*D table values and N indices per column
 // pass (the index reads are shared through the cache), writes B*D: one FLOP
 // per value read, memory-bound; Embedding + reduce would also write and
 // re-read the (N, D) matrix, 3x the traffic.
@@ -29,12 +30,12 @@
 uint d = thread_position_in_grid.x;
 uint b = thread_position_in_grid.y;
 uint embedding_dim = weight_shape[1];
-uint num_bags = offsets_shape[0] - 1;
+uint num_bags = bag_bounds_shape[0] - 1;
 if (d >= embedding_dim || b >= num_bags) {
   return;
 }
-uint start = uint(offsets[b]);
-uint end = uint(offsets[b + 1]);
+uint start = uint(bag_bounds[b]);
+uint end = uint(bag_bounds[b + 1]);
 float total = 0.0f;
 float best = 0.0f;
 int best_entry = -1;
@@ -45,7 +46,7 @@ for (uint n = start; n < end; ++n) {
     continue;
   }
   float value = float(weight[uint(row) * embedding_dim + d]);
-  if (MODE == 2) {
+  if (MODE == MODE_MAX) {
     // torch's CPU rule: the first entry, then only strictly greater values.  NaN compares
     // false both ways, so it wins only as the first entry (MLX compiles without fast math).
     if (count == 0 || value > best) {
@@ -60,9 +61,9 @@ for (uint n = start; n < end; ++n) {
   count += 1;
 }
 float result = total;
-if (MODE == 1 && count > 0) {
+if (MODE == MODE_MEAN && count > 0) {
   result = total / float(count);
-} else if (MODE == 2) {
+} else if (MODE == MODE_MAX) {
   result = best;
 }
 out[b * embedding_dim + d] = T(result);

@@ -9,6 +9,8 @@
 // Threads along x walk one row, so neighbouring threads read neighbouring
 // addresses (coalesced loads and stores).
 //
+// Reference: seqlib.reference.embedding (NumPy).
+//
 // Napkin math: no FLOPs; it moves 2 * N * D * sizeof(T) bytes (read a row
 // element, write it), so it runs at memory bandwidth.
 

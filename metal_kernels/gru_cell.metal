@@ -12,7 +12,8 @@
 //   n = tanh(i_n + r * h_n)     (h_n includes b_hn: r scales W_hn h + b_hn, as torch)
 //   h = (1 - z) * n + z * h_prev, computed as n + z * (h_prev - n) like torch
 //
-// Reference: seqlib.recurrent.gru_pointwise (chapter 6).
+// Reference: seqlib.reference.gru_cell (NumPy); the MLX-ops path is
+// seqlib.pointwise.gru_pointwise.
 // Napkin math: reads 7BH values, writes 4BH; ~20 FLOPs per unit: memory-bound.
 
 uint j = thread_position_in_grid.x;

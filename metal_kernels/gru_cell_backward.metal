@@ -14,7 +14,8 @@
 //   d_r = d_n h_n r (1 - r)              (h_n: the hidden side of the n gate)
 //   d_input_side  = (d_r, d_z, d_n)      d_hidden_side = (d_r, d_z, d_n * r)
 //
-// Reference: seqlib.recurrent.gru_pointwise_backward.
+// Reference: seqlib.reference.gru_backward (NumPy, one step of it); the MLX-ops
+// path is seqlib.pointwise.gru_pointwise_backward.
 // Napkin math: reads 8BH values, writes 7BH; ~20 FLOPs per unit: memory-bound.
 
 uint j = thread_position_in_grid.x;

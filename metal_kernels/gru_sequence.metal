@@ -21,6 +21,7 @@
 //   r = sigmoid(x_r + h_r), z = sigmoid(x_z + h_z), n = tanh(x_n + r h_n),
 //   h = n + z (h_prev - n)
 // Threadgroup memory: h double-buffered, 2 x 1024 floats = 8 KB: H <= 1024.
+// Reference: seqlib.reference.gru_forward (NumPy, one sequence at a time).
 // Napkin math per sequence and step: 6 H^2 FLOPs for 12 H^2 bytes of W_hh:
 // 0.5 FLOP/byte, so, as for the LSTM, a kernel for small batches (B <= 8).
 

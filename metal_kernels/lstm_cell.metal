@@ -12,8 +12,8 @@
 // One thread's job: hidden unit j of batch row b.
 //   c = f * c_prev + i * g,   h = o * tanh(c)
 //
-// Reference: seqlib.recurrent.lstm_pointwise (the MLX-ops path); the math is
-// the vector cell of chapter 5.  This is the "fused pointwise" stage: the
+// Reference: seqlib.reference.lstm_cell (NumPy); the MLX-ops path is
+// seqlib.pointwise.lstm_pointwise.  This is the "fused pointwise" stage: the
 // ops path launches ~10 elementwise kernels per step, this one launches one.
 //
 // Napkin math per step: reads 5BH values, writes 7BH; ~30 FLOPs and 5

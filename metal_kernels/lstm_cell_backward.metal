@@ -13,7 +13,8 @@
 //   d_i     = dc * g * i (1 - i)          d_f = dc * c_prev * f (1 - f)
 //   d_g     = dc * i * (1 - g^2)          d_o = d_h * tanh(c) * o (1 - o)
 //   d_c_prev = dc * f
-// (the same formulas as seqlib.recurrent.lstm_pointwise_backward and chapter 5).
+// (the same formulas as seqlib.reference.lstm_backward, one step of it, and
+// the MLX-ops path seqlib.pointwise.lstm_pointwise_backward).
 //
 // Napkin math: reads 9BH values, writes 5BH; ~25 FLOPs per unit: memory-bound.
 

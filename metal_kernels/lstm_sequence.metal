@@ -19,6 +19,8 @@
 // One SIMD group's job: hidden units j = simdgroup, simdgroup + simdgroups, ...
 // of sequence b, for every step.
 //
+// Reference: seqlib.reference.lstm_forward (NumPy, one sequence at a time).
+//
 // Napkin math, per sequence and step: 8 H^2 FLOPs, 16 H^2 bytes of W_hh read
 // (from cache when it fits), 4H + 4H reads of x_gates and writes of 8H saved
 // values.  Intensity 0.5 FLOP/byte: bandwidth-bound at any H, so it serves

@@ -33,6 +33,8 @@
 // stays in the GPU's cache, and the launch and synchronisation cost of 2T
 // dispatches disappears.  For large B one matmul per step (intensity ~B/2) wins.
 //
+// Reference: seqlib.reference.lstm_forward (NumPy, one sequence at a time).
+//
 // Version 1's weakness: at inner-loop step k, thread j reads W_hh[j*H + k], so
 // neighbouring threads read addresses H floats apart (uncoalesced).
 

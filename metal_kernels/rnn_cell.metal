@@ -9,7 +9,8 @@
 // One thread's job: element (b, j):  h = tanh(pre)  or  h = relu(pre).
 // relu as torch: NaN stays NaN (a plain max(pre, 0) or "pre > 0 ? pre : 0"
 // would turn it into 0), and -0 stays -0.
-// Reference: seqlib.recurrent.rnn_sequence's activation (chapter 3).
+// Reference: seqlib.reference.rnn_cell (NumPy); the MLX-ops path is
+// seqlib.scan.rnn_sequence's activation.
 // Napkin math: reads BH values, writes BH; 1 transcendental each: memory-bound.
 
 uint j = thread_position_in_grid.x;

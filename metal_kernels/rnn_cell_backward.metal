@@ -10,6 +10,8 @@
 //   tanh:  d_pre = d_h * (1 - h^2)         relu:  d_pre = 0 if h <= 0 else d_h
 // (relu's derivative at 0 is taken as 0, and a NaN output passes d_h on, as torch's
 // threshold_backward does: "h <= 0 ? 0 : d_h").
+// Reference: seqlib.reference.rnn_backward (NumPy, one step of it); the MLX-ops
+// path is seqlib.pointwise.rnn_activation_backward.
 // Napkin math: reads 2BH values, writes BH; 2-3 FLOPs each: memory-bound.
 
 uint j = thread_position_in_grid.x;

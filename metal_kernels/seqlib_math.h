@@ -15,3 +15,14 @@ inline float sigmoid_of(float x) {
 inline float tanh_of(float x) {
   return metal::precise::tanh(x);
 }
+
+// The bag kernels' MODE template argument (seqlib.kernels.BagMode).
+constant constexpr int MODE_SUM = 0;
+constant constexpr int MODE_MEAN = 1;
+constant constexpr int MODE_MAX = 2;
+
+// embedding_renorm's NORM template argument (seqlib.kernels.NormKind): which p-norm.
+constant constexpr int NORM_MAX = 0;  // p = inf
+constant constexpr int NORM_L1 = 1;
+constant constexpr int NORM_L2 = 2;
+constant constexpr int NORM_P = 3;  // any other p, through pow

@@ -9,7 +9,20 @@ from seqlib._blas import route_mlx_blas as _route_mlx_blas
 
 _route_mlx_blas()  # must run before anything below imports mlx.core
 
-from seqlib import activations, data, functional, interop, kernels, nn, optim, recurrent, reference, sparse  # noqa: E402
+from seqlib import (  # noqa: E402
+    activations,
+    data,
+    emulation,
+    functional,
+    interop,
+    kernels,
+    nn,
+    optim,
+    pointwise,
+    reference,
+    scan,
+    sparse,
+)
 from seqlib._blas import BlasRoutingWarning, BlasStatus  # noqa: E402
 from seqlib.interop import from_torch  # noqa: E402
 from seqlib.nn import Embedding, EmbeddingBag  # noqa: E402
@@ -35,13 +48,15 @@ __all__ = [
     "activations",
     "blas_status",
     "data",
+    "emulation",
     "from_torch",
     "functional",
     "interop",
     "kernels",
     "nn",
     "optim",
-    "recurrent",
+    "pointwise",
     "reference",
+    "scan",
     "sparse",
 ]

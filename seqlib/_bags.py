@@ -22,6 +22,9 @@ import numpy as np
 from seqlib._checks import as_index_array
 
 
+BAG_MODES = ("sum", "mean", "max")  # how a bag's rows are pooled (the kernels' BagMode, in this order)
+
+
 @dataclass(frozen=True)
 class BagLayout:
     num_bags: int
@@ -127,3 +130,13 @@ def bag_layout(indices: mx.array, offsets, include_last_offset: bool, padding_id
     bags_in_order.append(np.flatnonzero(counts == 0))
     entry_order = np.concatenate(positions) if positions else np.zeros(0, np.int64)
     return BagLayout(num_bags, entry_order, shapes, np.concatenate(bags_in_order))
+
+
+def check_bag_mode(mode: str, sparse: bool, scale_grad_by_freq: bool) -> None:
+    """Raise unless ``mode`` is one of BAG_MODES and allowed with ``sparse`` and ``scale_grad_by_freq``."""
+    if mode not in BAG_MODES:
+        raise ValueError(f"mode: expected one of {BAG_MODES}, got {mode!r}")
+    if mode == "max" and sparse:
+        raise ValueError("sparse: mode='max' has no sparse gradient (as in torch); use sparse=False or another mode")
+    if mode == "max" and scale_grad_by_freq:
+        raise ValueError("scale_grad_by_freq: not supported with mode='max' (as in torch)")

@@ -192,6 +192,14 @@ def check_float_array(value, name: str, shape: tuple | None = None, dtype=None) 
         raise ValueError(f"{name}: expected shape {expected}".replace("'*'", "*") + f", got {tuple(value.shape)}")
 
 
+def check_state(name: str, state) -> tuple[int, int]:
+    """A recurrent state: a floating (B, H) mx.array with B, H >= 1.  Returns its shape."""
+    check_float_array(state, name, (None, None))
+    if state.size == 0:
+        raise ValueError(f"{name}: expected a non-empty (batch, hidden_size) array, got shape {tuple(state.shape)}")
+    return state.shape
+
+
 def check_choice(name: str, value, choices: tuple) -> None:
     """Raise a ValueError unless ``value`` is one of ``choices``."""
     if not isinstance(value, str) or value not in choices:

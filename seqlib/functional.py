@@ -2,7 +2,7 @@
 
 Like ``torch.nn.functional``, these take the weights as arguments and hold no
 state.  The modules in :mod:`seqlib.nn` call them.  Where the backend is
-"metal" (see :mod:`seqlib.kernels`) the lookups, bags and renormalisation run
+"metal" or "emulate" (see :mod:`seqlib.kernels`) the lookups, bags and renormalisation run
 in seqlib's Metal kernels; elsewhere in the MLX ops below.
 """
 
@@ -13,8 +13,9 @@ import math
 import mlx.core as mx
 import numpy as np
 
-from seqlib import kernels
-from seqlib._bags import bag_bounds, bag_layout, flatten_bags
+from seqlib.kernels import bag_kernels, embedding_kernels
+from seqlib.kernels.backend import KERNEL_DTYPES, uses_kernels
+from seqlib._bags import bag_bounds, bag_layout, check_bag_mode, flatten_bags
 from seqlib._checks import (
     as_index_array,
     check_index_range,
@@ -26,13 +27,10 @@ from seqlib._checks import (
 
 __all__ = ["embedding", "embedding_bag", "embedding_renorm", "renorm_for_lookup"]
 
-BAG_MODES = ("sum", "mean", "max")
-
-
-def _metal_serves(weight: mx.array) -> bool:
-    """Whether ``weight`` goes through the Metal kernels: on the Metal backend, in a dtype they take
+def _kernels_serve(weight: mx.array) -> bool:
+    """Whether ``weight`` goes through the Metal kernels: where the backend runs them, in a dtype they take
     (float64, which MLX keeps on the CPU, takes the ops path)."""
-    return kernels.backend() == "metal" and weight.dtype in kernels.FLOAT_DTYPES
+    return uses_kernels() and weight.dtype in KERNEL_DTYPES
 
 
 def _row_norms(rows: mx.array, norm_type: float) -> mx.array:
@@ -63,8 +61,8 @@ def embedding_renorm(weight: mx.array, input: mx.array, max_norm: float, norm_ty
     unique_rows = mx.array(np.unique(np.asarray(indices).reshape(-1)).astype(np.int32))
     if unique_rows.size == 0 or weight.size == 0:  # nothing to rescale (MLX cannot scatter into an empty table)
         return weight
-    if _metal_serves(weight):
-        scale = kernels._embedding_renorm_scales(weight, unique_rows, max_norm, norm_type)  # checked above
+    if _kernels_serve(weight):
+        scale = embedding_kernels.renorm_scales(weight, unique_rows, max_norm, norm_type)  # checked above
     else:
         norms = _row_norms(weight[unique_rows], norm_type)  # (n,)
         scale = mx.where(norms > max_norm, max_norm / (norms + 1e-7), 1.0)
@@ -148,9 +146,9 @@ def embedding(
 
     if max_norm is not None:
         weight = renorm_for_lookup(weight, indices, max_norm, norm_type)
-    if _metal_serves(weight):
+    if _kernels_serve(weight):
         grad_scale = _inverse_frequency(indices).reshape(-1) if scale_grad_by_freq else None
-        return kernels._embedding(weight, indices, padding_idx, grad_scale)  # checked above
+        return embedding_kernels.gather_rows(weight, indices, padding_idx, grad_scale)  # checked above
     rows = mx.take(weight, indices, axis=0)  # (*, D)
     if padding_idx is None and not scale_grad_by_freq:
         return rows
@@ -160,15 +158,6 @@ def embedding(
     if padding_idx is not None:
         grad_scale = mx.where(indices == padding_idx, 0.0, grad_scale)
     return _scale_gradient(rows, mx.expand_dims(grad_scale, -1))
-
-
-def _check_mode(mode: str, sparse: bool, scale_grad_by_freq: bool) -> None:
-    if mode not in BAG_MODES:
-        raise ValueError(f"mode: expected one of {BAG_MODES}, got {mode!r}")
-    if mode == "max" and sparse:
-        raise ValueError("sparse: mode='max' has no sparse gradient (as in torch); use sparse=False or another mode")
-    if mode == "max" and scale_grad_by_freq:
-        raise ValueError("scale_grad_by_freq: not supported with mode='max' (as in torch)")
 
 
 def _max_winners(rows: mx.array) -> mx.array:
@@ -284,7 +273,7 @@ def embedding_bag(
     disagree about entries after it (pytorch#52851), so seqlib raises a ValueError.
     """
     check_weight(weight)
-    _check_mode(mode, sparse, scale_grad_by_freq)
+    check_bag_mode(mode, sparse, scale_grad_by_freq)
     check_per_sample_weights(per_sample_weights, mode, as_index_array(input, "input").shape, weight.dtype)
     indices, offsets, flat_weights, include_last_offset = flatten_bags(
         input, offsets, per_sample_weights, include_last_offset
@@ -295,12 +284,12 @@ def embedding_bag(
     check_max_norm(max_norm, norm_type)
     if weight.size == 0:  # V or D is 0: empty bags or no columns (and MLX cannot scatter a gradient into it)
         return mx.zeros((bag_bounds(offsets, indices.size, include_last_offset).size - 1, embedding_dim), weight.dtype)
-    if _metal_serves(weight) and not scale_grad_by_freq:
-        ends = bag_bounds(offsets, indices.size, include_last_offset)
+    if _kernels_serve(weight) and not scale_grad_by_freq:
+        bounds = bag_bounds(offsets, indices.size, include_last_offset)
         if max_norm is not None:
             weight = renorm_for_lookup(weight, indices, max_norm, norm_type)
         flat = indices.astype(mx.int32)
-        return kernels._embedding_bag(weight, flat, ends, mode, flat_weights, padding_idx)  # checked above
+        return bag_kernels.pool_bags(weight, flat, bounds, mode, flat_weights, padding_idx)  # checked above
     layout = bag_layout(indices, offsets, include_last_offset, padding_idx)
 
     if max_norm is not None:

@@ -1,119 +1,25 @@
-"""Moving weights between PyTorch, mlx.nn and seqlib.
+"""Moving modules and weights between PyTorch, mlx.nn and seqlib.
 
 seqlib's parameters carry torch's ``state_dict()`` names, so a state dict maps
-across key by key.  torch is imported lazily, only inside these functions (and
-only if you pass it torch objects).
+across key by key (:class:`seqlib.nn.state_dict.TorchStateDictMixin`).  torch is
+imported lazily, only inside these functions (and only if you pass it torch
+objects).  This module sits above the layers: it imports :mod:`seqlib.nn`, never
+the other way round.
 """
 
 from __future__ import annotations
 
-import sys
-from collections.abc import Mapping
+import warnings
 
 import mlx.core as mx
-import numpy as np
-from mlx.utils import tree_flatten, tree_unflatten
+from mlx.utils import tree_unflatten
 
-__all__ = ["TorchStateDictMixin", "from_mlx", "from_torch", "to_mlx", "to_mlx_array"]
+from seqlib import nn
+from seqlib._torch_arrays import to_mlx_array, torch_class
+
+__all__ = ["from_mlx", "from_torch", "register_from_torch", "to_mlx", "to_mlx_array"]
 
 _FROM_TORCH = {}  # torch class name -> function(torch_module) -> seqlib module
-
-
-def to_mlx_array(value, dtype: mx.Dtype | None = None, name: str = "value") -> mx.array:
-    """An MLX array from a torch tensor, a NumPy array or an MLX array, cast to ``dtype`` if given.
-
-    Errors name the array as ``name``.  Floating types NumPy lacks (bfloat16, float8)
-    go through float32, exactly.  Sparse and quantized tensors are a TypeError (torch's
-    ``load_state_dict`` refuses them too), a meta-device tensor (no data) a ValueError.
-    """
-    if dtype is not None and not isinstance(dtype, mx.Dtype):
-        raise TypeError(f"dtype: expected an mlx.core.Dtype or None, got {type(dtype).__name__}")
-    tensor_class = _torch_class("Tensor")
-    if tensor_class is not None and isinstance(value, tensor_class):
-        value = _torch_to_numpy(value, name)
-    if isinstance(value, np.ndarray):
-        if value.dtype.kind not in "biufc" or value.dtype.itemsize > (16 if value.dtype.kind == "c" else 8):
-            raise TypeError(f"{name}: NumPy dtype {value.dtype} has no MLX equivalent")
-        value = mx.array(value)
-    if not isinstance(value, mx.array):
-        raise TypeError(f"{name}: expected a torch tensor, NumPy array or MLX array, got {type(value).__name__}")
-    return value.astype(dtype) if dtype is not None else value
-
-
-def _torch_class(path: str) -> type | None:
-    """``torch.<path>`` ("Tensor", "nn.LSTM"), or None if torch was never imported (so nothing can be one)."""
-    found = sys.modules.get("torch")
-    for part in path.split("."):
-        found = getattr(found, part, None)
-    return found if isinstance(found, type) else None
-
-
-def _torch_to_numpy(tensor, name: str) -> np.ndarray:
-    import torch
-
-    if tensor.is_meta:
-        raise ValueError(
-            f"{name}: a meta-device tensor of shape {tuple(tensor.shape)} has no data; "
-            "materialise it first (module.to_empty(device='cpu'), then initialise or load weights)"
-        )
-    if tensor.layout != torch.strided or tensor.is_quantized:
-        kind = "a quantized" if tensor.is_quantized else f"a {tensor.layout}"
-        raise TypeError(f"{name}: expected a dense tensor (as torch's load_state_dict does), got {kind} one; "
-                        "convert it first (.to_dense(), .dequantize())")  # fmt: skip
-    tensor = tensor.detach().cpu().resolve_conj().resolve_neg()
-    if tensor.is_floating_point() and tensor.dtype not in (torch.float16, torch.float32, torch.float64):
-        tensor = tensor.float()  # NumPy has no bfloat16 / float8: float32 holds them exactly
-    elif tensor.dtype == torch.complex32:
-        tensor = tensor.to(torch.complex64)
-    return tensor.numpy()
-
-
-class TorchStateDictMixin:
-    """``load_torch_state_dict`` and ``torch_state_dict`` for modules with torch's parameter names."""
-
-    def load_torch_state_dict(self, state_dict, strict: bool = True):
-        """Load torch tensors or NumPy arrays stored under torch's keys; returns ``self``.
-
-        As torch's ``load_state_dict``: every key must name a parameter and (with
-        ``strict``) every parameter must be there; shapes must match and values are cast
-        to each parameter's dtype.  Nothing is loaded unless everything checks out, and
-        one ValueError lists every key and shape that does not (a value that is not an
-        array is a TypeError naming its key).
-        """
-        if not isinstance(state_dict, Mapping):
-            raise TypeError(
-                f"state_dict: expected a mapping of parameter names to tensors, got {type(state_dict).__name__}"
-            )
-        for key in state_dict:
-            if not isinstance(key, str):
-                raise TypeError(f"state_dict: keys must be parameter names (str), got {type(key).__name__} {key!r}")
-        current = dict(tree_flatten(self.parameters()))
-        missing = sorted(set(current) - set(state_dict))
-        unexpected = sorted(set(state_dict) - set(current))
-        problems = []
-        if strict and (missing or unexpected):
-            problems.append(f"state_dict: missing keys {missing}, unexpected keys {unexpected}")
-        loaded = []
-        for key, value in state_dict.items():
-            if key not in current:
-                continue
-            array = to_mlx_array(value, current[key].dtype, name=f"state_dict[{key!r}]")
-            if array.shape != current[key].shape:
-                problems.append(
-                    f"state_dict[{key!r}]: expected shape {tuple(current[key].shape)}, got {tuple(array.shape)}"
-                )
-            loaded.append((key, array))
-        if problems:
-            raise ValueError("; ".join(problems))
-        self.update(tree_unflatten(loaded))
-        return self
-
-    def torch_state_dict(self) -> dict[str, np.ndarray]:
-        """The parameters as NumPy arrays under torch's keys (bfloat16 comes back as float32)."""
-        def as_numpy(array: mx.array) -> np.ndarray:
-            return np.array(array.astype(mx.float32) if array.dtype == mx.bfloat16 else array)
-
-        return {key: as_numpy(value) for key, value in tree_flatten(self.parameters())}
 
 
 def register_from_torch(torch_class_name: str):
@@ -136,7 +42,7 @@ def from_torch(module):
     memory (not on the meta device).
     """
     name = type(module).__name__
-    if name not in _FROM_TORCH or type(module) is not _torch_class(f"nn.{name}"):
+    if name not in _FROM_TORCH or type(module) is not torch_class(f"nn.{name}"):
         known = ", ".join(f"torch.nn.{known}" for known in sorted(_FROM_TORCH))
         raise TypeError(f"module: expected one of {known}, got {type(module).__module__}.{type(module).__qualname__}")
     meta = [key for key, tensor in module.state_dict().items() if tensor.is_meta]
@@ -146,6 +52,85 @@ def from_torch(module):
             "materialise them first (module.to_empty(device='cpu'), then initialise or load weights)"
         )
     return _FROM_TORCH[name](module)
+
+
+# ------------------------------------------------------------------ torch's modules
+
+
+def _layer_options(module) -> dict:
+    return {
+        "num_layers": module.num_layers, "bias": module.bias, "batch_first": module.batch_first,
+        "dropout": module.dropout, "bidirectional": module.bidirectional,
+    }  # fmt: skip
+
+
+def _layer_from_torch(cls, module, **options):
+    with warnings.catch_warnings():  # torch already warned about dropout with one layer
+        warnings.simplefilter("ignore", UserWarning)
+        layer = cls(module.input_size, module.hidden_size, **_layer_options(module), **options)
+    layer.load_torch_state_dict(module.state_dict())
+    return layer.train(module.training)
+
+
+@register_from_torch("RNN")
+def _rnn_from_torch(module) -> nn.RNN:
+    return _layer_from_torch(nn.RNN, module, nonlinearity=module.nonlinearity)
+
+
+@register_from_torch("LSTM")
+def _lstm_from_torch(module) -> nn.LSTM:
+    return _layer_from_torch(nn.LSTM, module, proj_size=module.proj_size)
+
+
+@register_from_torch("GRU")
+def _gru_from_torch(module) -> nn.GRU:
+    return _layer_from_torch(nn.GRU, module)
+
+
+def _cell_from_torch(cls, module, **options):
+    cell = cls(module.input_size, module.hidden_size, module.bias, **options)
+    return cell.load_torch_state_dict(module.state_dict())
+
+
+@register_from_torch("RNNCell")
+def _rnn_cell_from_torch(module) -> nn.RNNCell:
+    return _cell_from_torch(nn.RNNCell, module, nonlinearity=module.nonlinearity)
+
+
+@register_from_torch("LSTMCell")
+def _lstm_cell_from_torch(module) -> nn.LSTMCell:
+    return _cell_from_torch(nn.LSTMCell, module)
+
+
+@register_from_torch("GRUCell")
+def _gru_cell_from_torch(module) -> nn.GRUCell:
+    return _cell_from_torch(nn.GRUCell, module)
+
+
+_TORCH_DTYPES = {"torch.float32": mx.float32, "torch.float16": mx.float16, "torch.bfloat16": mx.bfloat16}
+
+
+def _torch_weight(module) -> mx.array:
+    """A table's weight in its own dtype where MLX has it (float64 and others become float32)."""
+    return to_mlx_array(module.weight, _TORCH_DTYPES.get(str(module.weight.dtype), mx.float32))
+
+
+@register_from_torch("Embedding")
+def _embedding_from_torch(module) -> nn.Embedding:
+    return nn.Embedding.from_pretrained(
+        _torch_weight(module), freeze=not module.weight.requires_grad, padding_idx=module.padding_idx,
+        max_norm=module.max_norm, norm_type=module.norm_type, scale_grad_by_freq=module.scale_grad_by_freq,
+        sparse=module.sparse,
+    )  # fmt: skip
+
+
+@register_from_torch("EmbeddingBag")
+def _embedding_bag_from_torch(module) -> nn.EmbeddingBag:
+    return nn.EmbeddingBag.from_pretrained(
+        _torch_weight(module), freeze=not module.weight.requires_grad, max_norm=module.max_norm,
+        norm_type=module.norm_type, scale_grad_by_freq=module.scale_grad_by_freq, mode=module.mode,
+        sparse=module.sparse, include_last_offset=module.include_last_offset, padding_idx=module.padding_idx,
+    )  # fmt: skip
 
 
 # ------------------------------------------------------------------ mlx.nn's recurrent layers
@@ -167,7 +152,6 @@ def from_mlx(module):
     """
     import mlx.nn
 
-    from seqlib import nn
 
     kind = type(module).__name__
     if kind not in _MLX_WEIGHT_NAMES or type(module) is not getattr(mlx.nn, kind):
@@ -199,7 +183,6 @@ def to_mlx(layer):
     """The ``mlx.nn`` RNN/LSTM/GRU with the weights of a one-layer, one-direction seqlib layer (biases folded)."""
     import mlx.nn
 
-    from seqlib import nn
 
     kind = type(layer).__name__
     if kind not in _MLX_WEIGHT_NAMES or type(layer) is not getattr(nn, kind):

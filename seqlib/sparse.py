@@ -32,7 +32,7 @@ import numpy as np
 from mlx.utils import tree_flatten, tree_unflatten
 
 from seqlib._checks import as_index_array, check_float_array, check_index_range, check_nonnegative_ints, check_weight
-from seqlib.interop import to_mlx_array
+from seqlib._torch_arrays import to_mlx_array
 
 __all__ = ["SparseGradient", "lookup_table", "value_and_grad"]
 
@@ -128,7 +128,7 @@ def lookup_table(module, input: mx.array):
     """
     _check_table_module(module)
     input = as_index_array(input, "input")
-    state = getattr(module, "_sparse_state", None)
+    state = getattr(module, "sparse_recording", None)
     if isinstance(state, _Recording):
         state.calls.append(np.asarray(input).reshape(-1))
     if not isinstance(state, _Rows):
@@ -159,11 +159,11 @@ def _check_table_module(module) -> None:
 
 
 def _sparse_tables(model: nn.Module) -> list[tuple[str, nn.Module]]:
-    """The sparse=True tables that look up through :func:`lookup_table` (they carry ``_sparse_state``)."""
+    """The sparse=True tables that look up through :func:`lookup_table` (they carry ``sparse_recording``)."""
     return [
         (name, module)
         for name, module in model.named_modules()
-        if getattr(module, "sparse", False) and hasattr(module, "_sparse_state")
+        if getattr(module, "sparse", False) and hasattr(module, "sparse_recording")
         and "weight" in module.trainable_parameters()
     ]  # fmt: skip
 
@@ -207,7 +207,7 @@ def value_and_grad(model: nn.Module, fn):
             value, dense_grads, row_grads = _differentiate(model, tables, unique_rows, fn, args, kwargs)
         finally:
             for _, table in tables:
-                table._sparse_state = None
+                table.sparse_recording = None
         flat = tree_flatten(dense_grads)
         for (name, table), unique, grad in zip(tables, unique_rows, row_grads, strict=True):
             keep = unique != table.padding_idx if table.padding_idx is not None else np.ones(unique.size, bool)
@@ -224,11 +224,11 @@ def value_and_grad(model: nn.Module, fn):
 def _record_rows(tables, fn, args, kwargs) -> list[np.ndarray]:
     """First run: which rows does each sparse table read?  (Nothing but indices is evaluated.)"""
     for _, table in tables:
-        table._sparse_state = _Recording()
+        table.sparse_recording = _Recording()
     fn(*args, **kwargs)
     unique_rows = []
     for name, table in tables:
-        calls = table._sparse_state.calls
+        calls = table.sparse_recording.calls
         unique = np.unique(np.concatenate(calls)) if calls else np.zeros(0, np.int64)
         check_index_range(unique, table.weight.shape[0], f"input of {name or 'model'}")
         unique_rows.append(unique)
@@ -244,7 +244,7 @@ def _differentiate(model, tables, unique_rows, fn, args, kwargs):
         model.update(dense_params)
         for (_, table), state, gathered in zip(tables, states, table_rows, strict=True):
             state.rows = gathered
-            table._sparse_state = state
+            table.sparse_recording = state
         return fn(*args, **kwargs)
 
     for _, table in tables:

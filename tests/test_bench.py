@@ -43,12 +43,9 @@ def test_kernel_suite_says_plainly_when_metal_is_missing():
 
 @pytest.mark.metal_emulation
 def test_kernel_suite_validates_every_kernel_against_the_ops_path_before_timing(capsys):
-    from metal_emulation import metal_backend
+    from seqlib.bench import kernel_suite
 
-    from seqlib.bench import kernels as kernel_suite
-
-    with metal_backend():
-        kernel_suite.main(quick=True)
+    kernel_suite.main(quick=True, emulate=True)
     printed = capsys.readouterr().out
     for expected in ("LSTM gate math", "LSTM layer forward", "metal v1 (simple)", "metal v2 (simd)",
                      "EmbeddingBag sum forward", "vs ops path", "napkin", "[ok]"):  # fmt: skip

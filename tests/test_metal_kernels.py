@@ -15,7 +15,8 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from metal_emulation import lint, metal_backend, runner
+from emulated import metal_backend
+from seqlib.emulation import lint, runner
 from test_cells import cell_cases
 from test_cells import test_cells_match_torch_outputs_and_all_gradients as cell_test
 from test_embedding import lookups
@@ -28,7 +29,7 @@ from test_sparse import batches
 from test_sparse import test_sparse_gradient_matches_torchs_coalesced_sparse_grad_and_the_dense_gradient as sparse_test
 
 import seqlib
-from seqlib import kernels, recurrent
+from seqlib import kernels, scan
 
 pytestmark = pytest.mark.metal_emulation
 
@@ -60,8 +61,8 @@ def test_lstm_cell_forward_and_backward_match_torch(order, pad_grid, batch, hidd
     gates, c_prev = random((batch, 4 * hidden_size), 0, 3.0), random((batch, hidden_size), 1)
     d_h, d_c = random((batch, hidden_size), 2), random((batch, hidden_size), 3)
     with metal_backend(order, pad_grid):
-        h, c, activations, tanh_c = kernels.lstm_cell(gates, c_prev)
-        d_gates, d_c_prev = kernels.lstm_cell_backward(d_h, d_c, activations, tanh_c, c_prev)
+        h, c, activations, tanh_c = kernels.lstm_pointwise(gates, c_prev)
+        d_gates, d_c_prev = kernels.lstm_pointwise_backward(d_h, d_c, activations, tanh_c, c_prev)
     gates_t, c_prev_t = torch_of(gates), torch_of(c_prev)
     i, f, g, o = gates_t.chunk(4, dim=1)
     i, f, g, o = torch.sigmoid(i), torch.sigmoid(f), torch.tanh(g), torch.sigmoid(o)
@@ -81,8 +82,8 @@ def test_gru_cell_forward_and_backward_match_torch(order, pad_grid, batch, hidde
     input_side, hidden_side = random((batch, 3 * hidden_size), 0, 2.0), random((batch, 3 * hidden_size), 1, 2.0)
     h_prev, d_h = random((batch, hidden_size), 2), random((batch, hidden_size), 3)
     with metal_backend(order, pad_grid):
-        h, activations = kernels.gru_cell(input_side, hidden_side, h_prev)
-        d_input, d_hidden, d_h_prev = kernels.gru_cell_backward(d_h, activations, hidden_side, h_prev)
+        h, activations = kernels.gru_pointwise(input_side, hidden_side, h_prev)
+        d_input, d_hidden, d_h_prev = kernels.gru_pointwise_backward(d_h, activations, hidden_side, h_prev)
     input_t, hidden_t, h_prev_t = torch_of(input_side), torch_of(hidden_side), torch_of(h_prev)
     input_r, input_z, input_n = input_t.chunk(3, dim=1)
     hidden_r, hidden_z, hidden_n = hidden_t.chunk(3, dim=1)
@@ -103,8 +104,8 @@ def test_gru_cell_forward_and_backward_match_torch(order, pad_grid, batch, hidde
 def test_rnn_cell_forward_and_backward_match_torch(order, pad_grid, nonlinearity, batch, hidden_size):
     pre, d_h = random((batch, hidden_size), 0, 2.0), random((batch, hidden_size), 1)
     with metal_backend(order, pad_grid):
-        h = kernels.rnn_cell(pre, nonlinearity)
-        d_pre = kernels.rnn_cell_backward(d_h, h, nonlinearity)
+        h = kernels.rnn_activation(pre, nonlinearity)
+        d_pre = kernels.rnn_activation_backward(d_h, h, nonlinearity)
     pre_t = torch_of(pre)
     h_t = torch.tanh(pre_t) if nonlinearity == "tanh" else torch.relu(pre_t)
     h_t.backward(torch_of(d_h))
@@ -115,9 +116,9 @@ def test_rnn_cell_forward_and_backward_match_torch(order, pad_grid, nonlinearity
 def test_cell_kernels_keep_half_precision_storage_and_float32_math():
     gates, c_prev = random((3, 4 * 40), 0, 2.0), random((3, 40), 1)
     with metal_backend():
-        full = kernels.lstm_cell(gates, c_prev)
-        half = kernels.lstm_cell(gates.astype(mx.float16), c_prev.astype(mx.float16))
-        brain = kernels.lstm_cell(gates.astype(mx.bfloat16), c_prev.astype(mx.bfloat16))
+        full = kernels.lstm_pointwise(gates, c_prev)
+        half = kernels.lstm_pointwise(gates.astype(mx.float16), c_prev.astype(mx.float16))
+        brain = kernels.lstm_pointwise(gates.astype(mx.bfloat16), c_prev.astype(mx.bfloat16))
     for ours, reference in zip(half, full, strict=True):
         assert ours.dtype == mx.float16
         close(ours.astype(mx.float32), reference, atol=2e-3, rtol=2e-3)
@@ -159,10 +160,10 @@ def test_lstm_sequence_kernel_matches_the_ops_path_and_saves_what_the_backward_n
     x_gates, w_hh, h0 = packed_case(batch_sizes, hidden_size, 4)
     c0 = random(h0.shape, 9)
     with metal_backend(order, pad_grid):
-        output, h_n, c_n, activations, tanh_c, c_prev, h_prev = kernels.lstm_sequence(
+        output, h_n, c_n, activations, tanh_c, c_prev, h_prev = kernels.lstm_sequence_forward(
             x_gates, w_hh, h0, c0, batch_sizes, reverse, version
         )
-    function = recurrent._lstm_sequence_function(batch_sizes, reverse, False, False)
+    function = scan._lstm_sequence_function(batch_sizes, reverse, False, False)
     (want_output, want_h, want_c), saved = _ops_sequence(function, x_gates, w_hh, h0, c0, num_steps=len(batch_sizes))
     for ours, theirs, what in zip(
         [output, h_n, c_n, activations, tanh_c, c_prev, h_prev],
@@ -182,10 +183,10 @@ def test_gru_sequence_kernel_matches_the_ops_path_and_saves_what_the_backward_ne
     x_gates, w_hh, h0 = packed_case(batch_sizes, hidden_size, 3)
     b_hh = random((3 * hidden_size,), 7)
     with metal_backend(order, pad_grid):
-        output, h_n, activations, hidden_side, h_prev = kernels.gru_sequence(
+        output, h_n, activations, hidden_side, h_prev = kernels.gru_sequence_forward(
             x_gates, w_hh, b_hh, h0, batch_sizes, reverse
         )
-    function = recurrent._gru_sequence_function(batch_sizes, reverse, False)
+    function = scan._gru_sequence_function(batch_sizes, reverse, False)
     num_steps = len(batch_sizes)
     with kernels.use_backend("ops"):
         outputs = function(x_gates, w_hh, b_hh, h0)
@@ -202,12 +203,12 @@ def test_gru_sequence_kernel_matches_the_ops_path_and_saves_what_the_backward_ne
 def test_sequence_kernels_refuse_what_their_threadgroup_memory_cannot_hold():
     x_gates, w_hh, h0 = packed_case((1,), 1025, 4)
     with metal_backend(), pytest.raises(ValueError, match="hidden_size <= 1024"):
-        kernels.lstm_sequence(x_gates, w_hh, h0, h0, (1,))
+        kernels.lstm_sequence_forward(x_gates, w_hh, h0, h0, (1,))
     x_gates, w_hh, h0 = packed_case((2, 1), 4, 4)
     with metal_backend(), pytest.raises(ValueError, match="batch_sizes"):
-        kernels.lstm_sequence(x_gates, w_hh, h0, h0, (1, 2))
+        kernels.lstm_sequence_forward(x_gates, w_hh, h0, h0, (1, 2))
     with metal_backend(), pytest.raises(ValueError, match="version"):
-        kernels.lstm_sequence(x_gates, w_hh, h0, h0, (2, 1), version="fast")
+        kernels.lstm_sequence_forward(x_gates, w_hh, h0, h0, (2, 1), version="fast")
 
 
 # ----------------------------------------------------------------- embeddings
@@ -231,39 +232,8 @@ def test_renorm_scales_match_torch_norms(order, pad_grid, norm_type, embedding_d
 def bag_inputs(seed=0):
     rng = np.random.default_rng(seed)
     indices = mx.array(rng.integers(0, 7, 23).astype(np.int32))
-    offsets = mx.array(np.array([0, 0, 4, 5, 11, 11, 20], np.int32))  # empty bags, a bag of one, trailing entries
+    offsets = mx.array(np.array([0, 0, 4, 5, 11, 11, 23], np.int32))  # bounds: empty bags, a bag of one, a long bag
     return random((7, 70), seed), indices, offsets, random((23,), seed + 1)  # D > 64: padded grids overhang in x
-
-
-def torch_bag_rows(weight, indices, offsets, mode, per_sample_weights, padding_idx):
-    """torch's sparse (uncoalesced) gradient rows of sum(out * d_out), one per entry inside a bag."""
-    table = torch.tensor(np.array(weight), requires_grad=True)
-    psw = None if per_sample_weights is None else torch.tensor(np.array(per_sample_weights))
-    ends = np.array(offsets)
-    out = torch.nn.functional.embedding_bag(
-        torch.tensor(np.array(indices)[: ends[-1]].astype(np.int64)), table,
-        torch.tensor(ends.astype(np.int64)), mode=mode, sparse=mode != "max", include_last_offset=True,
-        per_sample_weights=None if psw is None else psw[: ends[-1]], padding_idx=padding_idx,
-    )  # fmt: skip
-    d_out = random(out.shape, 5)
-    (out * torch.tensor(np.array(d_out))).sum().backward()
-    return d_out, table.grad.to_dense() if table.grad.is_sparse else table.grad
-
-
-@pytest.mark.parametrize(("order", "pad_grid"), SCHEDULES)
-@pytest.mark.parametrize(("mode", "weighted", "padding_idx"), [
-    ("sum", False, None), ("sum", True, 2), ("mean", False, 2), ("max", False, None), ("max", False, 3)])  # fmt: skip
-def test_bag_sparse_rows_sum_to_torchs_sparse_gradient(order, pad_grid, mode, weighted, padding_idx):
-    weight, indices, offsets, per_sample_weights = bag_inputs()
-    per_sample_weights = per_sample_weights if weighted else None
-    d_out, want = torch_bag_rows(weight, indices, offsets, mode, per_sample_weights, padding_idx)
-    with metal_backend(order, pad_grid):
-        rows = kernels.embedding_bag_sparse_rows(d_out, weight, indices, offsets, mode, per_sample_weights, padding_idx)
-    rows = np.array(rows)
-    assert np.all(rows[20:] == 0)  # entries past the last offset are in no bag
-    dense = np.zeros(weight.shape, np.float32)
-    np.add.at(dense, np.array(indices), rows)
-    close(dense, want.numpy(), atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.parametrize(("order", "pad_grid"), SCHEDULES)
@@ -271,18 +241,19 @@ def test_bag_sparse_rows_sum_to_torchs_sparse_gradient(order, pad_grid, mode, we
 def test_bag_kernels_forward_and_gradients_match_torch(order, pad_grid, mode, padding_idx):
     weight, indices, offsets, per_sample_weights = bag_inputs(1)
     weighted = mode == "sum"
-    ends = np.array(offsets).astype(np.int64)
+    bounds = np.array(offsets).astype(np.int64)
     table = torch.tensor(np.array(weight), requires_grad=True)
-    psw = torch.tensor(np.array(per_sample_weights)[: ends[-1]], requires_grad=True)
+    psw = torch.tensor(np.array(per_sample_weights), requires_grad=True)
     out = torch.nn.functional.embedding_bag(
-        torch.tensor(np.array(indices)[: ends[-1]].astype(np.int64)), table, torch.tensor(ends),
+        torch.tensor(np.array(indices).astype(np.int64)), table, torch.tensor(bounds),
         mode=mode, include_last_offset=True, per_sample_weights=psw if weighted else None, padding_idx=padding_idx,
     )  # fmt: skip
     d_out = random(out.shape, 3)
     (out * torch.tensor(np.array(d_out))).sum().backward()
 
     def loss(table, sample_weights):
-        bags = kernels.embedding_bag(table, indices, offsets, mode, sample_weights if weighted else None, padding_idx)
+        bags = kernels.embedding_bag(indices, table, offsets, mode, sample_weights if weighted else None, True,
+                                     padding_idx)
         return (bags * d_out).sum(), bags
 
     with metal_backend(order, pad_grid):
@@ -290,8 +261,7 @@ def test_bag_kernels_forward_and_gradients_match_torch(order, pad_grid, mode, pa
     close(bags, out, what="bags")
     close(grads[0], table.grad, atol=1e-5, rtol=1e-5, what="d_weight")
     if weighted:
-        close(np.array(grads[1])[: ends[-1]], psw.grad, atol=1e-5, rtol=1e-5, what="d_per_sample_weights")
-        assert np.all(np.array(grads[1])[ends[-1]:] == 0)
+        close(grads[1], psw.grad, atol=1e-5, rtol=1e-5, what="d_per_sample_weights")
 
 
 @pytest.mark.parametrize(("order", "pad_grid"), SCHEDULES)
@@ -401,18 +371,22 @@ def test_ops_backend_launches_no_kernel_even_where_metal_is_available():
 
 
 @pytest.mark.parametrize(("call", "error", "words"), [
-    (lambda: kernels.lstm_cell(mx.zeros((2, 8)), mx.zeros((2, 3))), ValueError, "gates: expected shape (2, 12)"),
-    (lambda: kernels.lstm_cell(mx.zeros((2, 12), mx.int32), mx.zeros((2, 3))), TypeError, "gates"),
-    (lambda: kernels.gru_cell(mx.zeros((2, 9)), mx.zeros((2, 9), mx.float16), mx.zeros((2, 3))), TypeError, "dtype"),
-    (lambda: kernels.rnn_cell(mx.zeros((2, 3)), "sigmoid"), ValueError, "nonlinearity"),
-    (lambda: kernels.rnn_cell(mx.zeros((0, 3))), ValueError, "non-empty"),
-    (lambda: kernels.embedding(mx.zeros((4, 2)), mx.array([4])), IndexError, "[0, 4)"),
-    (lambda: kernels.embedding(mx.zeros((4, 2)), mx.array([-1])), IndexError, "[0, 4)"),
-    (lambda: kernels.embedding(mx.zeros((4, 2)), mx.array([1.0])), TypeError, "integer dtype (int32"),
-    (lambda: kernels.embedding_bag(mx.zeros((4, 2)), mx.array([1, 2]), mx.array([0, 3])), ValueError, "offsets"),
-    (lambda: kernels.embedding_bag(mx.zeros((4, 2)), mx.array([1, 2]), mx.array([1, 2])), ValueError, "offsets"),
-    (lambda: kernels.embedding_bag(mx.zeros((4, 2)), mx.array([1, 9]), mx.array([0, 2])), IndexError, "indices"),
-    (lambda: kernels.embedding_bag(mx.zeros((4, 2)), mx.array([1]), mx.array([0, 1]), "median"), ValueError, "mode"),
+    (lambda: kernels.lstm_pointwise(mx.zeros((2, 8)), mx.zeros((2, 3))), ValueError, "gates: expected shape (2, 12)"),
+    (lambda: kernels.lstm_pointwise(mx.zeros((2, 12), mx.int32), mx.zeros((2, 3))), TypeError, "gates"),
+    (lambda: kernels.gru_pointwise(mx.zeros((2, 9)), mx.zeros((2, 9), mx.float16), mx.zeros((2, 3))), TypeError,
+     "dtype"),
+    (lambda: kernels.rnn_activation(mx.zeros((2, 3)), "sigmoid"), ValueError, "nonlinearity"),
+    (lambda: kernels.rnn_activation(mx.zeros((0, 3))), ValueError, "non-empty"),
+    (lambda: kernels.embedding(mx.array([4]), mx.zeros((4, 2))), IndexError, "[0, 4)"),
+    (lambda: kernels.embedding(mx.array([-1]), mx.zeros((4, 2))), IndexError, "[0, 4)"),
+    (lambda: kernels.embedding(mx.array([1.0]), mx.zeros((4, 2))), TypeError, "integer dtype (int32"),
+    (lambda: kernels.embedding(mx.array([1]), mx.zeros((4, 2), mx.float64)), TypeError, "float32, float16"),
+    (lambda: kernels.embedding_bag(mx.array([1, 2]), mx.zeros((4, 2)), mx.array([0, 3])), ValueError, "offsets"),
+    (lambda: kernels.embedding_bag(mx.array([1, 2]), mx.zeros((4, 2)), mx.array([1, 2])), ValueError, "offsets"),
+    (lambda: kernels.embedding_bag(mx.array([1, 2]), mx.zeros((4, 2)), mx.array([0, 1]), include_last_offset=True),
+     ValueError, "include_last_offset"),
+    (lambda: kernels.embedding_bag(mx.array([1, 9]), mx.zeros((4, 2)), mx.array([0, 2])), IndexError, "input"),
+    (lambda: kernels.embedding_bag(mx.array([1]), mx.zeros((4, 2)), mx.array([0, 1]), "median"), ValueError, "mode"),
     (lambda: kernels.embedding_renorm_scales(mx.zeros((4, 2)), mx.array([1]), -1.0), ValueError, "max_norm"),
 ])  # fmt: skip
 def test_bad_arguments_are_refused_before_any_launch(call, error, words):

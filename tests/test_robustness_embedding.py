@@ -34,7 +34,8 @@ import torch
 from hypothesis import event, given, settings
 from hypothesis import strategies as st
 from isolated import assert_clear_error, run_isolated
-from metal_emulation import metal_backend, runner
+from emulated import metal_backend
+from seqlib.emulation import runner
 
 import seqlib
 from seqlib import functional as F
@@ -96,17 +97,10 @@ def _seqlib_op(op: str, a: dict):
         call = [a["input"]] + ([a.get("offsets"), a.get("per_sample_weights")] if op == "EmbeddingBag" else [])
         return module(*call), module.weight
     if op == "kernels.embedding":
-        return kernels.embedding(a["weight"], a["indices"], a.get("padding_idx"), a.get("grad_scale"))
-    if op == "kernels.embedding_bag":
-        return kernels.embedding_bag(a["weight"], a["indices"], a["offsets"], a.get("mode", "mean"),
-                                     a.get("per_sample_weights"), a.get("padding_idx"))  # fmt: skip
-    if op == "kernels.embedding_bag_sparse_rows":
-        rows = kernels.embedding_bag_sparse_rows(a["d_out"], a["weight"], a["indices"], a["offsets"],
-                                                 a.get("mode", "mean"), a.get("per_sample_weights"),
-                                                 a.get("padding_idx"))  # fmt: skip
-        dense = np.zeros(a["weight"].shape, np.float32)
-        np.add.at(dense, np.array(a["indices"]), np.array(rows))
-        return dense
+        return kernels.embedding(a["indices"], a["weight"], a.get("padding_idx"), a.get("grad_scale"))
+    if op == "kernels.embedding_bag":  # offsets as bounds: the last one ends the last bag
+        return kernels.embedding_bag(a["indices"], a["weight"], a["offsets"], a.get("mode", "mean"),
+                                     a.get("per_sample_weights"), True, a.get("padding_idx"))  # fmt: skip
     if op == "kernels.embedding_renorm_scales":
         return kernels.embedding_renorm_scales(a["weight"], a["rows"], a["max_norm"], a.get("norm_type", 2.0))
     raise AssertionError(op)
@@ -145,18 +139,11 @@ def _torch_op(op: str, a: dict):
         return module(*call), module.weight
     if op == "kernels.embedding":
         return functional.embedding(a["indices"].long(), a["weight"])
-    if op in ("kernels.embedding_bag", "kernels.embedding_bag_sparse_rows"):
-        end = int(a["offsets"][-1])  # the kernels' CSR form: entries after the last offset are in no bag
-        weights = a.get("per_sample_weights")
-        table = a["weight"].clone().requires_grad_()
-        out = functional.embedding_bag(a["indices"][:end].long(), table, a["offsets"].long(),
-                                       mode=a.get("mode", "mean"), include_last_offset=True,
-                                       per_sample_weights=None if weights is None else weights[:end],
-                                       padding_idx=a.get("padding_idx"))  # fmt: skip
-        if op == "kernels.embedding_bag":
-            return out
-        (out * a["d_out"]).sum().backward()
-        return table.grad
+    if op == "kernels.embedding_bag":
+        return functional.embedding_bag(a["indices"].long(), a["weight"], a["offsets"].long(),
+                                        mode=a.get("mode", "mean"), include_last_offset=True,
+                                        per_sample_weights=a.get("per_sample_weights"),
+                                        padding_idx=a.get("padding_idx"))  # fmt: skip
     if op == "kernels.embedding_renorm_scales":
         norms = torch.linalg.vector_norm(a["weight"][a["rows"].long()].double(), ord=a.get("norm_type", 2.0), dim=1)
         return torch.where(norms > a["max_norm"], a["max_norm"] / (norms + 1e-7), torch.ones_like(norms))
@@ -569,20 +556,18 @@ def test_bags_give_torchs_result_or_a_clear_error(drawn, backend):
 
 @st.composite
 def kernel_bag_cases(draw):
-    op = draw(st.sampled_from(["kernels.embedding_bag", "kernels.embedding_bag_sparse_rows"]))
+    op = "kernels.embedding_bag"
     num_embeddings, embedding_dim = draw(st.integers(1, 5)), draw(st.integers(0, 70))
     mode = draw(st.sampled_from(["sum", "mean", "max"]))
     rng = np.random.default_rng(draw(st.integers(0, 2**32 - 1)))
     lengths = draw(st.lists(st.integers(0, 3), max_size=4))
-    trailing = draw(st.integers(0, 2))  # entries after the last offset: in no bag
-    indices = rng.integers(0, num_embeddings, size=sum(lengths) + trailing).astype(np.int32)
+    indices = rng.integers(0, num_embeddings, size=sum(lengths)).astype(np.int32)
     a = {
         "weight": rng.standard_normal((num_embeddings, embedding_dim)).astype(np.float32),
         "indices": indices, "offsets": np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32), "mode": mode,
         "padding_idx": draw(st.none() | st.integers(-num_embeddings, num_embeddings - 1)),
         "per_sample_weights": (rng.uniform(-2, 2, indices.size).astype(np.float32)
                                if mode == "sum" and draw(st.booleans()) else None),
-        "d_out": rng.standard_normal((len(lengths), embedding_dim)).astype(np.float32),
     }  # fmt: skip
     corruptions = {
         None: ((), lambda: None),
@@ -594,10 +579,13 @@ def kernel_bag_cases(draw):
                                lambda: a.update(offsets=np.array([0, indices.size, 0], np.int32))),
         "offsets_past_end": (("offsets", str(indices.size)),
                              lambda: a.update(offsets=np.array([0, indices.size + 1], np.int32))),
-        "index_too_big": (("indices",), lambda: a.update(indices=np.append(indices, num_embeddings))),
-        "index_negative": (("indices",), lambda: a.update(indices=np.append(indices, -1).astype(np.int32))),
-        "indices_float": (("indices", "float32"), lambda: a.update(indices=indices.astype(np.float32))),
-        "indices_2d": (("indices", "1-D"), lambda: a.update(indices=indices[None])),
+        "entries_after_last_offset": (("offsets", "include_last_offset"), lambda: a.update(
+            indices=np.append(indices, 0).astype(np.int32),
+            per_sample_weights=None if a["per_sample_weights"] is None else np.append(a["per_sample_weights"], 1))),
+        "index_too_big": (("input",), lambda: a.update(indices=np.append(indices, num_embeddings))),
+        "index_negative": (("input",), lambda: a.update(indices=np.append(indices, -1).astype(np.int32))),
+        "indices_float": (("input", "float32"), lambda: a.update(indices=indices.astype(np.float32))),
+        "indices_2d": (("offsets", "2-D"), lambda: a.update(indices=indices[None])),
         "padding_too_big": (("padding_idx",), lambda: a.update(padding_idx=num_embeddings)),
         "padding_float": (("padding_idx", "float"), lambda: a.update(padding_idx=1.0)),
         "weights_dtype": (("per_sample_weights", "dtype"),
@@ -613,10 +601,6 @@ def kernel_bag_cases(draw):
     }  # fmt: skip
     if indices.size == 0:
         del corruptions["offsets_decreasing"]  # [0, 0, 0] does not decrease
-    if op.endswith("sparse_rows") and embedding_dim > 0:  # with no columns, [:, :0] changes nothing
-        corruptions["d_out_shape"] = (("d_out", "shape"), lambda: a.update(d_out=a["d_out"][:, :0]))
-    if op.endswith("sparse_rows"):
-        corruptions["d_out_dtype"] = (("d_out", "dtype"), lambda: a.update(d_out=a["d_out"].astype(np.float16)))
     corruption = draw(st.sampled_from(list(corruptions)))
     names, corrupt = corruptions[corruption]
     corrupt()
@@ -649,10 +633,10 @@ def kernel_lookup_cases(draw):
     corruptions = {
         None: ("kernels.embedding", (), {}),
         "renorm": ("kernels.embedding_renorm_scales", (), {}),
-        "index_too_big": ("kernels.embedding", ("indices",), {"indices": np.array([num_embeddings])}),
-        "index_negative": ("kernels.embedding", ("indices",), {"indices": np.array([-num_embeddings - 1])}),
-        "indices_float": ("kernels.embedding", ("indices",), {"indices": indices.astype(np.float32)}),
-        "indices_list": ("kernels.embedding", ("indices", "list"), {"indices": ("raw", [indices.tolist()])}),
+        "index_too_big": ("kernels.embedding", ("input",), {"indices": np.array([num_embeddings])}),
+        "index_negative": ("kernels.embedding", ("input",), {"indices": np.array([-num_embeddings - 1])}),
+        "indices_float": ("kernels.embedding", ("input",), {"indices": indices.astype(np.float32)}),
+        "indices_list": ("kernels.embedding", ("input", "list"), {"indices": ("raw", [indices.tolist()])}),
         "padding_too_big": ("kernels.embedding", ("padding_idx",), {"padding_idx": num_embeddings + 1}),
         "padding_too_small": ("kernels.embedding", ("padding_idx",), {"padding_idx": -num_embeddings - 1}),
         "padding_float": ("kernels.embedding", ("padding_idx",), {"padding_idx": 0.5}),
@@ -778,10 +762,10 @@ def test_max_mode_nan_rule_holds_for_long_bags_and_half_precision():
     ({"offsets": np.array([[0, 2]])}, ValueError, ["offsets", "1-D", "(1, 2)"]),
     ({"padding_idx": 7}, ValueError, ["padding_idx", "7", "[-5, 5)"]),
     ({"padding_idx": -6}, ValueError, ["padding_idx", "-6"]),
-    ({"indices": np.array([0, 1, 2, 5])}, IndexError, ["indices", "[0, 5)", "5"]),
-    ({"indices": np.array([0, -1, 2, 3])}, IndexError, ["indices", "-1"]),
-    ({"indices": np.array([[0, 1], [2, 3]])}, ValueError, ["indices", "1-D", "(2, 2)"]),
-    ({"indices": np.array([0.0, 1.0, 2.0, 3.0], np.float32)}, TypeError, ["indices", "float32"]),
+    ({"indices": np.array([0, 1, 2, 5])}, IndexError, ["input", "[0, 5)", "5"]),
+    ({"indices": np.array([0, -1, 2, 3])}, IndexError, ["input", "-1"]),
+    ({"indices": np.array([[0, 1], [2, 3]])}, ValueError, ["offsets", "2-D"]),
+    ({"indices": np.array([0.0, 1.0, 2.0, 3.0], np.float32)}, TypeError, ["input", "float32"]),
     ({"offsets": np.zeros(0, np.int64)}, ValueError, ["offsets", "empty"]),
     ({"offsets": np.array([1, 2, 4])}, ValueError, ["offsets", "start at 0"]),
     ({"offsets": np.array([0, 3, 2])}, ValueError, ["offsets", "non-decreasing"]),
@@ -1217,17 +1201,3 @@ def test_modules_train_through_mlx_value_and_grad_after_bad_calls():
     grads = mlx.nn.value_and_grad(layer, lambda m: m(mx.array([[0, 1]])).sum())(layer)[1]
     assert np.array(grads["weight"]).tolist() == [[1, 1], [0, 0], [0, 0], [0, 0]]
     assert math.isfinite(float(layer(mx.array([[3, 2]])).sum()))
-
-
-def sparse_rows_of_a_table_without_columns(num_entries):
-    with metal_backend():
-        return kernels.embedding_bag_sparse_rows(
-            mx.zeros((1, 0)), mx.zeros((2, 0)), mx.zeros((num_entries,), mx.int32), mx.array([0, num_entries]), "sum"
-        )
-
-
-@pytest.mark.parametrize("num_entries", [0, 3])
-def test_sparse_rows_give_one_row_per_entry_even_with_no_columns(num_entries):
-    outcome = run_isolated(sparse_rows_of_a_table_without_columns, num_entries)
-    assert outcome.kind == "returned", outcome
-    assert outcome.value.shape == (num_entries, 0)

@@ -100,7 +100,7 @@ class RawLookup(mlx.nn.Module):
         self.weight = mx.ones((num_embeddings, dim))
         self.padding_idx = None
         self.sparse = True
-        self._sparse_state = None
+        self.sparse_recording = None
 
     def __call__(self, ids):
         table, ids, _ = lookup_table(self, ids)
@@ -517,7 +517,7 @@ def test_value_and_grad_refuses_losses_mlx_cannot_differentiate(model, fn, error
         value_and_grad(model, fn)(model)
     for word in words:
         assert word in str(raised.value), (word, str(raised.value))
-    assert getattr(model, "_sparse_state", None) is None and "weight" in model.trainable_parameters()
+    assert getattr(model, "sparse_recording", None) is None and "weight" in model.trainable_parameters()
 
 
 def test_value_and_grad_still_passes_auxiliary_outputs_through():

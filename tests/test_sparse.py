@@ -105,7 +105,7 @@ def test_a_loss_that_reads_other_rows_the_second_time_is_refused():
     calls = iter([mx.array([1, 2]), mx.array([3])])
     with pytest.raises(RuntimeError, match="second run"):
         seqlib.sparse.value_and_grad(model, lambda m: m(next(calls)).sum())(model)
-    assert model._sparse_state is None and "weight" in model.trainable_parameters()
+    assert model.sparse_recording is None and "weight" in model.trainable_parameters()
 
 
 OPTIMIZERS = [

@@ -15,19 +15,21 @@ def main() -> None:
     parser.add_argument("suite", choices=SUITES)
     parser.add_argument("--repeats", type=int, default=None, help="timed runs per implementation (median is reported)")
     parser.add_argument("--quick", action="store_true", help="smaller sizes, for a smoke test")
+    parser.add_argument("--emulate", action="store_true",
+                        help="kernels suite: run the kernels through seqlib.emulation (validation, CPU timings)")
     args = parser.parse_args()
     if args.suite == "embedding":
-        from seqlib.bench import embedding
+        from seqlib.bench import embedding_suite
 
-        embedding.main(repeats=args.repeats or 15, quick=args.quick)
+        embedding_suite.main(repeats=args.repeats or 15, quick=args.quick)
     elif args.suite == "recurrent":
-        from seqlib.bench import recurrent
+        from seqlib.bench import recurrent_suite
 
-        recurrent.main(repeats=args.repeats or 7, quick=args.quick)
+        recurrent_suite.main(repeats=args.repeats or 7, quick=args.quick)
     elif args.suite == "kernels":
-        from seqlib.bench import kernels
+        from seqlib.bench import kernel_suite
 
-        kernels.main(repeats=args.repeats or 15, quick=args.quick)
+        kernel_suite.main(repeats=args.repeats or 15, quick=args.quick, emulate=args.emulate)
 
 
 if __name__ == "__main__":

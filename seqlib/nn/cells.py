@@ -6,7 +6,7 @@ blocks (1 for RNN, 4 for LSTM in the order i, f, g, o, 3 for GRU in the order
 r, z, n), all initialised U(-1/sqrt(H), 1/sqrt(H)) as in torch.  One matmul per
 side gives every gate's pre-activation at once (the packing trick); the gate
 math is that of :mod:`seqlib.reference`'s NumPy cells, run by
-:mod:`seqlib.recurrent` as a sequence of one step.
+:mod:`seqlib.scan` as a sequence of one step.
 
 As in torch, ``input_size`` and ``hidden_size`` may be 0 and a batch may hold
 no rows (the outputs are then empty, or for ``input_size=0`` the bias alone
@@ -22,8 +22,8 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from seqlib._checks import check_choice, check_nonnegative_ints
-from seqlib.interop import TorchStateDictMixin, register_from_torch
-from seqlib.nn.recurrent import _GRURecurrence, _LSTMRecurrence, _RNNRecurrence
+from seqlib.nn.recurrence import GRURecurrence, LSTMRecurrence, RNNRecurrence
+from seqlib.nn.state_dict import TorchStateDictMixin
 
 NONLINEARITIES = ("tanh", "relu")
 
@@ -89,7 +89,7 @@ class _Cell(TorchStateDictMixin, nn.Module):
 # with suffix "" for its parameter names.
 
 
-class RNNCell(_RNNRecurrence, _Cell):
+class RNNCell(RNNRecurrence, _Cell):
     """``h' = tanh(W_ih x + b_ih + W_hh h + b_hh)`` (or ``relu``)."""
 
     def __init__(self, input_size: int, hidden_size: int, bias: bool = True, nonlinearity: str = "tanh"):
@@ -101,7 +101,7 @@ class RNNCell(_RNNRecurrence, _Cell):
         return self._step_one_state(input, hx)
 
 
-class LSTMCell(_LSTMRecurrence, _Cell):
+class LSTMCell(LSTMRecurrence, _Cell):
     """``c' = f * c + i * g``, ``h' = o * tanh(c')``; gates i, f, g, o from one packed (4H, D) matmul."""
 
     def __call__(self, input: mx.array, hx: tuple[mx.array, mx.array] | None = None):
@@ -120,28 +120,8 @@ class LSTMCell(_LSTMRecurrence, _Cell):
         return h, c
 
 
-class GRUCell(_GRURecurrence, _Cell):
+class GRUCell(GRURecurrence, _Cell):
     """``n = tanh(W_in x + b_in + r * (W_hn h + b_hn))``, ``h' = (1 - z) * n + z * h``; gates r, z, n."""
 
     def __call__(self, input: mx.array, hx: mx.array | None = None) -> mx.array:
         return self._step_one_state(input, hx)
-
-
-def _cell_from_torch(cls, module, **options):
-    cell = cls(module.input_size, module.hidden_size, module.bias, **options)
-    return cell.load_torch_state_dict(module.state_dict())
-
-
-@register_from_torch("RNNCell")
-def _rnn_cell_from_torch(module) -> RNNCell:
-    return _cell_from_torch(RNNCell, module, nonlinearity=module.nonlinearity)
-
-
-@register_from_torch("LSTMCell")
-def _lstm_cell_from_torch(module) -> LSTMCell:
-    return _cell_from_torch(LSTMCell, module)
-
-
-@register_from_torch("GRUCell")
-def _gru_cell_from_torch(module) -> GRUCell:
-    return _cell_from_torch(GRUCell, module)

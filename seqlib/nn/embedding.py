@@ -7,11 +7,9 @@ import mlx.nn as nn
 
 from seqlib import functional as F
 from seqlib import sparse
+from seqlib._bags import check_bag_mode
 from seqlib._checks import check_max_norm, check_nonnegative_ints, check_weight, normalize_padding_idx
-from seqlib.interop import TorchStateDictMixin, register_from_torch, to_mlx_array
-
-_TORCH_DTYPES = {"torch.float32": mx.float32, "torch.float16": mx.float16, "torch.bfloat16": mx.bfloat16}
-
+from seqlib.nn.state_dict import TorchStateDictMixin
 
 class _Table(TorchStateDictMixin, nn.Module):
     """What Embedding and EmbeddingBag share: the (V, D) ``weight`` and its options.
@@ -37,7 +35,7 @@ class _Table(TorchStateDictMixin, nn.Module):
         self.norm_type = norm_type
         self.scale_grad_by_freq = scale_grad_by_freq
         self.sparse = sparse
-        self._sparse_state = None  # set only inside seqlib.sparse.value_and_grad
+        self.sparse_recording = None  # what seqlib.sparse.value_and_grad records of this table (None outside it)
         if _weight is not None:
             self.weight = _checked_weight(_weight, (num_embeddings, embedding_dim))
         else:
@@ -166,7 +164,7 @@ class EmbeddingBag(_Table):
         _weight: mx.array | None = None,
         _freeze: bool = False,
     ):
-        F._check_mode(mode, sparse, scale_grad_by_freq)
+        check_bag_mode(mode, sparse, scale_grad_by_freq)
         super().__init__(num_embeddings, embedding_dim, padding_idx, max_norm, norm_type, scale_grad_by_freq,
                          sparse, dtype, _weight, _freeze)  # fmt: skip
         self.mode = mode
@@ -212,25 +210,3 @@ def _checked_weight(weight, shape: tuple[int, int]) -> mx.array:
             f"_weight: expected shape {shape} (num_embeddings, embedding_dim), got {tuple(weight.shape)}"
         )
     return weight
-
-
-def _torch_weight(module) -> mx.array:
-    return to_mlx_array(module.weight, _TORCH_DTYPES.get(str(module.weight.dtype), mx.float32))
-
-
-@register_from_torch("Embedding")
-def _embedding_from_torch(module) -> Embedding:
-    return Embedding.from_pretrained(
-        _torch_weight(module), freeze=not module.weight.requires_grad, padding_idx=module.padding_idx,
-        max_norm=module.max_norm, norm_type=module.norm_type, scale_grad_by_freq=module.scale_grad_by_freq,
-        sparse=module.sparse,
-    )  # fmt: skip
-
-
-@register_from_torch("EmbeddingBag")
-def _embedding_bag_from_torch(module) -> EmbeddingBag:
-    return EmbeddingBag.from_pretrained(
-        _torch_weight(module), freeze=not module.weight.requires_grad, max_norm=module.max_norm,
-        norm_type=module.norm_type, scale_grad_by_freq=module.scale_grad_by_freq, mode=module.mode,
-        sparse=module.sparse, include_last_offset=module.include_last_offset, padding_idx=module.padding_idx,
-    )  # fmt: skip

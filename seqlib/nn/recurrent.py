@@ -11,7 +11,7 @@ training.  Parameters are attributes named as in torch's ``state_dict()``::
 
 with suffix ``""`` or ``"_reverse"``, G gate blocks (1, 4 or 3) and P = H unless
 projected.  Every direction of every layer is one call of
-:mod:`seqlib.recurrent`: one matmul for the input side of all steps, then the
+:mod:`seqlib.scan`: one matmul for the input side of all steps, then the
 step loop with its hand-written backward.
 
 Shapes (torch's): input (T, B, D), or (B, T, D) with ``batch_first``, or
@@ -37,69 +37,12 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
-from seqlib import recurrent
 from seqlib._checks import check_choice, check_positive_ints
-from seqlib.interop import TorchStateDictMixin, register_from_torch
+from seqlib.nn.recurrence import GRURecurrence, LSTMRecurrence, RNNRecurrence
+from seqlib.nn.state_dict import TorchStateDictMixin
 from seqlib.nn.utils.rnn import PackedSequence, check_packed_sequence
 
 __all__ = ["GRU", "LSTM", "RNN"]
-
-
-class _Recurrence:
-    """The step maths that a cell and each direction of a layer share, run by :mod:`seqlib.recurrent`.
-
-    Parameters are found by name: ``weight_ih{suffix}``, ``weight_hh{suffix}``, ... with suffix
-    ``""`` for a cell and ``"_l0"``, ``"_l1_reverse"``, ... for a layer.  ``_run_direction`` takes
-    packed rows (N, D) and the initial states (B, .) and returns ``output, h_n`` (``output, h_n, c_n``).
-    """
-
-    gate_blocks = 1
-
-    def _check_dtype(self, name: str, array: mx.array, weight_name: str) -> None:
-        """Raise a TypeError unless ``array`` has the dtype of the weights (torch does not promote either)."""
-        dtype = getattr(self, weight_name).dtype
-        if array.dtype != dtype:
-            raise TypeError(
-                f"{name}: expected dtype {dtype} (the layer's dtype, that of {weight_name}), got {array.dtype}; "
-                f"convert it with .astype({dtype}) or the layer with .set_dtype({array.dtype})"
-            )
-
-    def _input_side(self, rows, suffix: str, fold_hidden_bias: bool) -> mx.array:
-        """``rows @ W_ih.T + b_ih`` (+ ``b_hh`` where it can be folded in) for every row at once."""
-        weight_ih = getattr(self, "weight_ih" + suffix)
-        if not self.bias:
-            return rows @ weight_ih.T
-        bias = getattr(self, "bias_ih" + suffix)
-        if fold_hidden_bias:
-            bias = bias + getattr(self, "bias_hh" + suffix)
-        return mx.addmm(bias, rows, weight_ih.T)
-
-
-class _RNNRecurrence(_Recurrence):
-    def _run_direction(self, rows, batch_sizes, states, suffix, reverse):
-        x_gates = self._input_side(rows, suffix, fold_hidden_bias=True)
-        weight_hh = getattr(self, "weight_hh" + suffix)
-        return recurrent.rnn_sequence(x_gates, weight_hh, states[0], batch_sizes, reverse, self.nonlinearity)
-
-
-class _LSTMRecurrence(_Recurrence):
-    gate_blocks = 4
-
-    def _run_direction(self, rows, batch_sizes, states, suffix, reverse):
-        x_gates = self._input_side(rows, suffix, fold_hidden_bias=True)
-        weight_hh = getattr(self, "weight_hh" + suffix)
-        weight_hr = getattr(self, "weight_hr" + suffix) if self.proj_size else None
-        return recurrent.lstm_sequence(x_gates, weight_hh, states[0], states[1], batch_sizes, reverse, weight_hr)
-
-
-class _GRURecurrence(_Recurrence):
-    gate_blocks = 3
-
-    def _run_direction(self, rows, batch_sizes, states, suffix, reverse):
-        x_gates = self._input_side(rows, suffix, fold_hidden_bias=False)  # b_hn sits inside r * (...)
-        weight_hh = getattr(self, "weight_hh" + suffix)
-        bias_hh = getattr(self, "bias_hh" + suffix) if self.bias else mx.zeros((weight_hh.shape[0],), rows.dtype)
-        return recurrent.gru_sequence(x_gates, weight_hh, bias_hh, states[0], batch_sizes, reverse)
 
 
 class _RNNBase(TorchStateDictMixin, nn.Module):
@@ -290,7 +233,7 @@ def _dropout(rows: mx.array, probability: float) -> mx.array:
     return mx.where(keep, rows / (1 - probability), 0).astype(rows.dtype)
 
 
-class RNN(_RNNRecurrence, _RNNBase):
+class RNN(RNNRecurrence, _RNNBase):
     """Elman RNN: ``h_t = tanh(W_ih x_t + b_ih + W_hh h_{t-1} + b_hh)`` (or relu), torch's ``nn.RNN``."""
 
     def __init__(
@@ -309,7 +252,7 @@ class RNN(_RNNRecurrence, _RNNBase):
         self.nonlinearity = nonlinearity
 
 
-class LSTM(_LSTMRecurrence, _RNNBase):
+class LSTM(LSTMRecurrence, _RNNBase):
     """Long short-term memory, torch's ``nn.LSTM``: gates i, f, g, o; ``c_t = f c_{t-1} + i g``, ``h_t = o tanh(c_t)``.
 
     With ``proj_size = P > 0``, h is projected to P units: ``h_t = W_hr (o tanh(c_t))``.
@@ -320,7 +263,7 @@ class LSTM(_LSTMRecurrence, _RNNBase):
         return [(layers, batch_size, self.output_size), (layers, batch_size, self.hidden_size)]
 
 
-class GRU(_GRURecurrence, _RNNBase):
+class GRU(GRURecurrence, _RNNBase):
     """Gated recurrent unit, torch's ``nn.GRU``: gates r, z, n with ``n = tanh(W_in x + b_in + r (W_hn h + b_hn))``."""
 
     def __init__(
@@ -334,36 +277,3 @@ class GRU(_GRURecurrence, _RNNBase):
         bidirectional: bool = False,
     ):
         super().__init__(input_size, hidden_size, num_layers, bias, batch_first, dropout, bidirectional)
-
-
-# ------------------------------------------------------------------ from torch
-
-
-def _layer_options(module) -> dict:
-    return {
-        "num_layers": module.num_layers, "bias": module.bias, "batch_first": module.batch_first,
-        "dropout": module.dropout, "bidirectional": module.bidirectional,
-    }  # fmt: skip
-
-
-def _layer_from_torch(cls, module, **options):
-    with warnings.catch_warnings():  # torch already warned about dropout with one layer
-        warnings.simplefilter("ignore", UserWarning)
-        layer = cls(module.input_size, module.hidden_size, **_layer_options(module), **options)
-    layer.load_torch_state_dict(module.state_dict())
-    return layer.train(module.training)
-
-
-@register_from_torch("RNN")
-def _rnn_from_torch(module) -> RNN:
-    return _layer_from_torch(RNN, module, nonlinearity=module.nonlinearity)
-
-
-@register_from_torch("LSTM")
-def _lstm_from_torch(module) -> LSTM:
-    return _layer_from_torch(LSTM, module, proj_size=module.proj_size)
-
-
-@register_from_torch("GRU")
-def _gru_from_torch(module) -> GRU:
-    return _layer_from_torch(GRU, module)

@@ -13,7 +13,10 @@ FLOPs, so the GB/s column can be read against the machine's bandwidth (the
 pointwise and bag kernels are memory-bound; the whole-sequence kernel re-reads
 W_hh once per sequence and step, 16 H^2 bytes for 8 H^2 FLOPs).
 
-Metal kernels run only on Apple silicon; elsewhere this suite says so and times nothing.
+Metal kernels run only on Apple silicon; elsewhere this suite says so and times
+nothing, unless ``--emulate`` is given: then the kernels run through
+:mod:`seqlib.emulation` on the CPU, which checks every case against the ops path
+(the timings then measure the emulation, not a GPU).
 """
 
 from __future__ import annotations
@@ -22,10 +25,11 @@ import mlx.core as mx
 import numpy as np
 
 import seqlib
-from seqlib import kernels, recurrent
+from seqlib import kernels, pointwise
 from seqlib.bench import Case, print_versions, run_cases
 
 FLOAT = 4
+_kernel_backend = "metal"  # or "emulate" (main's --emulate)
 
 
 def _max_error(reference, other) -> float:
@@ -59,8 +63,8 @@ def lstm_cell_case(batch: int, hidden_size: int) -> Case:
     return Case(
         name=f"LSTM gate math (one step), B={batch} H={hidden_size}",
         implementations={
-            "ops path": _evaluated(lambda: recurrent.lstm_pointwise(gates, c_prev, compiled=True)),
-            "metal": _evaluated(lambda: kernels.lstm_cell(gates, c_prev)),
+            "ops path": _evaluated(lambda: pointwise.lstm_pointwise(gates, c_prev, compiled=True)),
+            "metal": _on(_kernel_backend, lambda: kernels.lstm_pointwise(gates, c_prev)),
         },
         bytes_moved=bytes_moved,
         flops=30 * batch * hidden_size,
@@ -80,14 +84,15 @@ def lstm_layer_case(steps: int, batch: int, input_size: int, hidden_size: int) -
     sizes = (batch,) * steps
     implementations = {
         "ops path": _on("ops", lambda: layer(x)[0]),
-        "metal": _on("metal", lambda: layer(x)[0]),
+        "metal": _on(_kernel_backend, lambda: layer(x)[0]),
     }
     if kernels.sequence_kernel_serves(batch, hidden_size):
         for label, version in (("metal v1 (simple)", "simple"), ("metal v2 (simd)", "simd")):
-            implementations[label] = _evaluated(
-                lambda version=version: kernels.lstm_sequence(
+            implementations[label] = _on(
+                _kernel_backend,
+                lambda version=version: kernels.lstm_sequence_forward(
                     x_gates, layer.weight_hh_l0, h0, h0, sizes, version=version
-                )[0].reshape(steps, batch, hidden_size)
+                )[0].reshape(steps, batch, hidden_size),
             )
     weight_bytes = FLOAT * 4 * hidden_size * hidden_size * steps * batch  # W_hh per sequence and step
     flops = 2 * steps * batch * 4 * hidden_size * (input_size + hidden_size)
@@ -119,7 +124,7 @@ def embedding_bag_case(num_embeddings: int, embedding_dim: int, bags: int, bag_s
     bytes_moved = FLOAT * (bags * bag_size * (embedding_dim + 1) + bags * embedding_dim)
     return Case(
         name=f"EmbeddingBag sum forward, V={num_embeddings} D={embedding_dim} B={bags} bag={bag_size}",
-        implementations={"ops path": _on("ops", bag), "metal": _on("metal", bag)},
+        implementations={"ops path": _on("ops", bag), "metal": _on(_kernel_backend, bag)},
         bytes_moved=bytes_moved,
         check=_max_error,
         tolerance=1e-4,
@@ -128,15 +133,22 @@ def embedding_bag_case(num_embeddings: int, embedding_dim: int, bags: int, bag_s
     )
 
 
-def main(repeats: int = 15, quick: bool = False) -> None:
+def main(repeats: int = 15, quick: bool = False, emulate: bool = False) -> None:
+    """Run the suite on Metal, or with ``emulate`` through seqlib.emulation (validation; CPU timings)."""
+    global _kernel_backend
     print_versions()
-    if not kernels.metal_available():
+    if emulate:
+        _kernel_backend = "emulate"
+        print("Emulated: the kernels run on the CPU through seqlib.emulation; the timings are not a GPU's.")
+    elif not kernels.metal_available():
         print(
             "Metal is not available on this machine, so there is nothing to compare: the kernel-vs-ops "
-            "suite needs an Apple-silicon Mac.  (On Linux the kernels' logic is tested by the C++ emulation "
-            "in tests/metal_emulation; their speed can only be measured on a Mac.)"
+            "suite needs an Apple-silicon Mac.  (--emulate runs the kernels through seqlib.emulation and "
+            "checks them against the ops path; their speed can only be measured on a Mac.)"
         )
         return
+    else:
+        _kernel_backend = "metal"
     if quick:
         cases = [lstm_cell_case(2, 40), lstm_layer_case(3, 2, 5, 40), embedding_bag_case(50, 8, 4, 3)]
     else:

@@ -1,0 +1,177 @@
+"""Where seqlib's Metal kernels come from and where they run: sources, the backend switch, building.
+
+The kernels are plain ``.metal`` files: the *bodies* that ``mx.fast.metal_kernel``
+wraps in a generated signature, plus one shared header (``seqlib_math.h``).  In a
+source checkout they sit in the top-level ``metal_kernels/`` folder; an installed
+wheel ships them as package data in ``seqlib/metal_kernels/``.
+
+Backends (``SEQLIB_BACKEND`` or :func:`use_backend`):
+
+- ``"metal"``: the kernels on the GPU (an Apple-silicon Mac);
+- ``"emulate"``: the same kernels through :mod:`seqlib.emulation`, compiled as C++
+  and run on the CPU, on any machine with a C++ compiler (slow: for learning and testing);
+- ``"ops"``: plain MLX ops (:mod:`seqlib.pointwise`, :mod:`seqlib.scan`,
+  :mod:`seqlib.functional`), same numbers within float32 rounding;
+- ``"auto"`` (the default): ``"metal"`` where Metal is available, else ``"ops"``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import os
+from pathlib import Path
+
+import mlx.core as mx
+
+from seqlib import emulation
+
+__all__ = [
+    "BACKENDS",
+    "BACKEND_ENV",
+    "KERNEL_DIR_ENV",
+    "KERNEL_DTYPES",
+    "backend",
+    "build_kernel",
+    "check_kernel_dtype",
+    "elementwise_launch",
+    "int_scalar",
+    "kernel_dir",
+    "kernel_header",
+    "kernel_names",
+    "kernel_source",
+    "metal_available",
+    "use_backend",
+    "uses_kernels",
+]
+
+# ----------------------------------------------------------------- sources
+
+_PACKAGE_DIR = Path(__file__).resolve().parent.parent
+_CANDIDATES = (
+    _PACKAGE_DIR / "metal_kernels",  # installed wheel (package data)
+    _PACKAGE_DIR.parent / "metal_kernels",  # source checkout / editable install
+)
+HEADER_NAME = "seqlib_math.h"
+KERNEL_DIR_ENV = "SEQLIB_KERNEL_DIR"
+
+
+def kernel_dir() -> Path:
+    """The folder holding the ``.metal`` sources (``$SEQLIB_KERNEL_DIR`` if set: for trying edited kernels)."""
+    if os.environ.get(KERNEL_DIR_ENV):
+        return Path(os.environ[KERNEL_DIR_ENV])
+    for folder in _CANDIDATES:
+        if any(folder.glob("*.metal")):
+            return folder
+    searched = ", ".join(str(folder) for folder in _CANDIDATES)
+    raise FileNotFoundError(f"seqlib's Metal kernel sources were not found (looked in {searched})")
+
+
+def kernel_names() -> list[str]:
+    """The names of all available kernels (file names without ``.metal``)."""
+    return sorted(path.stem for path in kernel_dir().glob("*.metal"))
+
+
+def kernel_source(name: str) -> str:
+    """The text of ``metal_kernels/<name>.metal``."""
+    names = kernel_names()
+    if name not in names:
+        raise ValueError(f"name: no Metal kernel called {name!r}; available: {', '.join(names)}")
+    return (kernel_dir() / f"{name}.metal").read_text()
+
+
+def kernel_header() -> str:
+    """The helpers every kernel is built with (``metal_kernels/seqlib_math.h``)."""
+    return (kernel_dir() / HEADER_NAME).read_text()
+
+
+# ----------------------------------------------------------------- backend choice
+
+BACKEND_ENV = "SEQLIB_BACKEND"
+BACKENDS = ("auto", "metal", "emulate", "ops")
+_override: list[str] = []  # innermost use_backend() last
+
+
+def metal_available() -> bool:
+    """Whether this machine can run Metal kernels (an Apple-silicon Mac)."""
+    return mx.metal.is_available()
+
+
+def _requested() -> str:
+    choice = _override[-1] if _override else os.environ.get(BACKEND_ENV, "auto").strip().lower() or "auto"
+    if choice not in BACKENDS:
+        raise ValueError(f"{BACKEND_ENV}: expected one of {BACKENDS}, got {choice!r}")
+    return choice
+
+
+def backend() -> str:
+    """``"metal"``, ``"emulate"`` or ``"ops"``: the path seqlib's modules take now."""
+    choice = _requested()
+    if choice == "auto":
+        return "metal" if metal_available() else "ops"
+    if choice == "metal" and not metal_available():
+        raise RuntimeError(
+            f"backend 'metal' was requested ({BACKEND_ENV} or use_backend), but Metal is not available "
+            "on this machine; use 'emulate' (the kernels on the CPU), 'ops' or 'auto'"
+        )
+    return choice
+
+
+def uses_kernels() -> bool:
+    """Whether seqlib's modules run the Metal kernels now (on the GPU or emulated)."""
+    return backend() != "ops"
+
+
+@contextlib.contextmanager
+def use_backend(name: str):
+    """Run the block with seqlib's modules on ``"metal"``, ``"emulate"``, ``"ops"`` or ``"auto"``."""
+    if name not in BACKENDS:
+        raise ValueError(f"name: expected one of {BACKENDS}, got {name!r}")
+    _override.append(name)
+    try:
+        backend()  # fail now, not at the first launch, if Metal was asked for and is missing
+        yield
+    finally:
+        _override.pop()
+
+
+# ----------------------------------------------------------------- building and launching
+
+
+@functools.cache
+def _build(factory, name: str, inputs: tuple[str, ...], outputs: tuple[str, ...], atomic: bool):
+    return factory(
+        name=name,
+        input_names=list(inputs),
+        output_names=list(outputs),
+        source=kernel_source(name),
+        header=kernel_header(),
+        ensure_row_contiguous=True,
+        atomic_outputs=atomic,
+    )
+
+
+def build_kernel(name: str, inputs: tuple[str, ...], outputs: tuple[str, ...], atomic: bool = False):
+    """The kernel ``metal_kernels/<name>.metal`` with these input and output names, for the current backend:
+    built by ``mx.fast.metal_kernel`` on Metal, by :func:`seqlib.emulation.metal_kernel` when emulating."""
+    factory = emulation.metal_kernel if backend() == "emulate" else mx.fast.metal_kernel
+    return _build(factory, name, tuple(inputs), tuple(outputs), atomic)
+
+
+KERNEL_DTYPES = (mx.float32, mx.float16, mx.bfloat16)
+
+
+def check_kernel_dtype(name: str, array: mx.array) -> None:
+    """Raise a TypeError unless ``array`` (already checked to be floating) has a dtype the kernels are built for."""
+    if array.dtype not in KERNEL_DTYPES:
+        raise TypeError(f"{name}: the Metal kernels take float32, float16 or bfloat16, got {array.dtype}")
+
+
+def elementwise_launch(rows: int, columns: int) -> dict:
+    """Grid for one thread per (row, column) element: x runs along a row, so loads coalesce."""
+    return {"grid": (columns, rows, 1), "threadgroup": (64, 4, 1)}
+
+
+def int_scalar(value: int) -> mx.array:
+    """A 0-d int32 input (the kernel sees ``const constant int32_t&``)."""
+    return mx.array(value, dtype=mx.int32)

@@ -1,0 +1,70 @@
+"""The step maths that a cell and each direction of a layer share: the input side and the scan over steps.
+
+:mod:`seqlib.nn.recurrent` (the layers) and :mod:`seqlib.nn.cells` (a sequence of
+one step) both build on these mixins; the scan itself is :mod:`seqlib.scan`.
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+
+from seqlib import scan
+
+__all__ = ["GRURecurrence", "LSTMRecurrence", "RNNRecurrence", "Recurrence"]
+
+
+class Recurrence:
+    """The step maths that a cell and each direction of a layer share, run by :mod:`seqlib.scan`.
+
+    Parameters are found by name: ``weight_ih{suffix}``, ``weight_hh{suffix}``, ... with suffix
+    ``""`` for a cell and ``"_l0"``, ``"_l1_reverse"``, ... for a layer.  ``_run_direction`` takes
+    packed rows (N, D) and the initial states (B, .) and returns ``output, h_n`` (``output, h_n, c_n``).
+    """
+
+    gate_blocks = 1
+
+    def _check_dtype(self, name: str, array: mx.array, weight_name: str) -> None:
+        """Raise a TypeError unless ``array`` has the dtype of the weights (torch does not promote either)."""
+        dtype = getattr(self, weight_name).dtype
+        if array.dtype != dtype:
+            raise TypeError(
+                f"{name}: expected dtype {dtype} (the layer's dtype, that of {weight_name}), got {array.dtype}; "
+                f"convert it with .astype({dtype}) or the layer with .set_dtype({array.dtype})"
+            )
+
+    def _input_side(self, rows, suffix: str, fold_hidden_bias: bool) -> mx.array:
+        """``rows @ W_ih.T + b_ih`` (+ ``b_hh`` where it can be folded in) for every row at once."""
+        weight_ih = getattr(self, "weight_ih" + suffix)
+        if not self.bias:
+            return rows @ weight_ih.T
+        bias = getattr(self, "bias_ih" + suffix)
+        if fold_hidden_bias:
+            bias = bias + getattr(self, "bias_hh" + suffix)
+        return mx.addmm(bias, rows, weight_ih.T)
+
+
+class RNNRecurrence(Recurrence):
+    def _run_direction(self, rows, batch_sizes, states, suffix, reverse):
+        x_gates = self._input_side(rows, suffix, fold_hidden_bias=True)
+        weight_hh = getattr(self, "weight_hh" + suffix)
+        return scan.rnn_sequence(x_gates, weight_hh, states[0], batch_sizes, reverse, self.nonlinearity)
+
+
+class LSTMRecurrence(Recurrence):
+    gate_blocks = 4
+
+    def _run_direction(self, rows, batch_sizes, states, suffix, reverse):
+        x_gates = self._input_side(rows, suffix, fold_hidden_bias=True)
+        weight_hh = getattr(self, "weight_hh" + suffix)
+        weight_hr = getattr(self, "weight_hr" + suffix) if self.proj_size else None
+        return scan.lstm_sequence(x_gates, weight_hh, states[0], states[1], batch_sizes, reverse, weight_hr)
+
+
+class GRURecurrence(Recurrence):
+    gate_blocks = 3
+
+    def _run_direction(self, rows, batch_sizes, states, suffix, reverse):
+        x_gates = self._input_side(rows, suffix, fold_hidden_bias=False)  # b_hn sits inside r * (...)
+        weight_hh = getattr(self, "weight_hh" + suffix)
+        bias_hh = getattr(self, "bias_hh" + suffix) if self.bias else mx.zeros((weight_hh.shape[0],), rows.dtype)
+        return scan.gru_sequence(x_gates, weight_hh, bias_hh, states[0], batch_sizes, reverse)

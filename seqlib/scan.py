@@ -1,0 +1,286 @@
+"""One recurrent layer, one direction, over a whole sequence: the scan over time steps, with its own backward.
+
+The layers in :mod:`seqlib.nn` (and the cells, which are sequences of length
+one) all end here.  The structure is the one fast implementations share
+(Appleyard et al. 2016, cuDNN):
+
+1. The input side of every gate, for every time step, is **one matmul** done by
+   the caller: ``x_gates = x @ W_ih.T + b`` with x all ``N`` rows of the sequence.
+2. Each step then needs only the recurrent matmul ``h @ W_hh.T`` and the
+   **fused pointwise gate math** of :mod:`seqlib.pointwise` (one compiled
+   function, or one fused kernel).
+3. The backward is written by hand (backpropagation through time, as in
+   :mod:`seqlib.reference`): it walks the steps in reverse doing only what must
+   be sequential (the pointwise derivatives and ``d_gates @ W_hh``), and then
+   computes the weight gradients for all steps at once as **one matmul**
+   ``d_gates.T @ h_prev``.  Autodiff through the loop would build the weight
+   gradient from T small products and is several times slower.
+
+Sequences are *packed*: row-major by time step, ``batch_sizes[t]`` rows at step
+t, longest sequences first, exactly like :class:`seqlib.nn.utils.rnn.PackedSequence`.
+An ordinary (T, B) batch is the special case ``batch_sizes = (B,) * T``.  At step
+t only the first ``batch_sizes[t]`` rows of the state are updated; the rest
+keep their value, so the final state holds each sequence's own last step (its
+first step, going in reverse).  No work is spent on padding.
+
+Where seqlib runs its kernels (on a Mac, or emulated: see :mod:`seqlib.kernels`)
+the gate math runs in the fused Metal kernels (one launch per step), and for
+small batches a whole layer runs in one launch (``lstm_sequence.metal``,
+``gru_sequence.metal``); the backward is the same loop with the backward
+kernels.  ``SEQLIB_BACKEND=ops`` forces the MLX-ops path everywhere.
+
+Shapes: N rows in all, B = batch_sizes[0] sequences, H hidden units, P the
+size of h (P = H, or ``proj_size`` for a projected LSTM), G gate blocks.
+
+Every public function checks its arguments first (a ValueError or TypeError
+naming the argument): arrays of one floating dtype and matching shapes, B and
+H at least 1, and ``batch_sizes`` integers (floats are refused, not truncated)
+that describe a packed batch: non-increasing, each at least 1, starting at B
+and adding up to N.  NaN propagates as in torch (relu and tanh of NaN are NaN).
+"""
+
+
+from __future__ import annotations
+
+import functools
+
+import mlx.core as mx
+
+from seqlib import kernels
+from seqlib._checks import check_batch_sizes, check_choice, check_float_array, check_state
+from seqlib.pointwise import (
+    gate_path,
+    gru_backward_on,
+    gru_pointwise_on,
+    lstm_backward_on,
+    lstm_pointwise_on,
+    rnn_activation_backward_on,
+    rnn_activation_on,
+)
+
+__all__ = ["gru_sequence", "lstm_sequence", "rnn_sequence"]
+
+
+# ----------------------------------------------------------------- the sequence loop
+
+
+def _steps(batch_sizes: tuple[int, ...], reverse: bool):
+    """(t, first row, number of rows) for each step, in the order they are computed."""
+    offsets = [0]
+    for size in batch_sizes[:-1]:
+        offsets.append(offsets[-1] + size)
+    steps = list(zip(range(len(batch_sizes)), offsets, batch_sizes, strict=True))
+    return steps[::-1] if reverse else steps
+
+
+def _update(state: mx.array, new_rows: mx.array) -> mx.array:
+    """The state with its first rows replaced; the rest (finished or not yet started sequences) kept."""
+    if new_rows.shape[0] == state.shape[0]:
+        return new_rows
+    return mx.concatenate([new_rows, state[new_rows.shape[0]:]], axis=0)
+
+
+def _in_time_order(per_step: list) -> mx.array:
+    return mx.concatenate(per_step, axis=0) if len(per_step) > 1 else per_step[0]
+
+
+def _by_step(rows: mx.array, steps) -> list[mx.array]:
+    """Packed (N, ...) rows -> one block per time step, in time order (undoes _in_time_order)."""
+    return [rows[first:first + count] for _, first, count in sorted(steps)]
+
+
+def _use_whole_sequence_kernel(use_kernels: bool, batch: int, hidden_size: int) -> bool:
+    return use_kernels and kernels.sequence_kernel_serves(batch, hidden_size)
+
+
+@functools.lru_cache(maxsize=512)
+def _lstm_sequence_function(batch_sizes: tuple[int, ...], reverse: bool, projected: bool, use_kernels: bool):
+    steps = _steps(batch_sizes, reverse)
+    num_steps = len(steps)
+
+    @mx.custom_function
+    def forward(x_gates, w_hh, h0, c0, *projection):
+        # x_gates (N, 4H); w_hh (4H, P); h0 (B, P); c0 (B, H); projection: (w_hr (P, H),) or ()
+        if not projected and _use_whole_sequence_kernel(use_kernels, *c0.shape):
+            output, h_n, c_n, *saved = kernels.lstm_sequence_forward(x_gates, w_hh, h0, c0, batch_sizes, reverse)
+            return (output, h_n, c_n, *(block for rows in saved for block in _by_step(rows, steps)))
+        h, c = h0, c0
+        path = gate_path(x_gates, use_kernels)
+        outputs, activations, tanh_cs, c_prevs, h_prevs = ([None] * num_steps for _ in range(5))
+        for t, first, rows in steps:
+            h_prev, c_prev = h[:rows], c[:rows]
+            gates = mx.addmm(x_gates[first:first + rows], h_prev, w_hh.T)
+            h_new, c_new, activations[t], tanh_cs[t] = lstm_pointwise_on(path, gates, c_prev)
+            if projected:
+                h_new = h_new @ projection[0].T
+            outputs[t], c_prevs[t], h_prevs[t] = h_new, c_prev, h_prev
+            h, c = _update(h, h_new), _update(c, c_new)
+        return (_in_time_order(outputs), h, c, *activations, *tanh_cs, *c_prevs, *h_prevs)
+
+    @forward.vjp
+    def backward(primals, cotangents, outputs):
+        w_hh, projection = primals[1], primals[4:]
+        d_outputs, d_h, d_c = cotangents[:3]
+        saved = outputs[3:]
+        activations, tanh_cs = saved[:num_steps], saved[num_steps:2 * num_steps]
+        c_prevs, h_prevs = saved[2 * num_steps:3 * num_steps], saved[3 * num_steps:]
+        d_gates_steps, d_outputs_steps = [None] * num_steps, [None] * num_steps
+        path = "kernel" if use_kernels else "ops"
+        for t, first, rows in reversed(steps):
+            d_out = d_outputs[first:first + rows] + d_h[:rows]
+            if projected:
+                d_outputs_steps[t] = d_out
+                d_out = d_out @ projection[0]
+            d_gates, d_c_prev = lstm_backward_on(path, d_out, d_c[:rows], activations[t], tanh_cs[t], c_prevs[t])
+            d_h, d_c = _update(d_h, d_gates @ w_hh), _update(d_c, d_c_prev)
+            d_gates_steps[t] = d_gates
+        d_x_gates = _in_time_order(d_gates_steps)
+        d_w_hh = d_x_gates.T @ _in_time_order(list(h_prevs))  # every step's weight gradient in one matmul
+        grads = [d_x_gates, d_w_hh, d_h, d_c]
+        if projected:
+            hidden_size = tanh_cs[0].shape[-1]  # h before the projection is o * tanh(c), o the last gate block
+            h_unprojected = [a[:, -hidden_size:] * tanh_c for a, tanh_c in zip(activations, tanh_cs, strict=True)]
+            grads.append(_in_time_order(d_outputs_steps).T @ _in_time_order(h_unprojected))
+        return tuple(grads)
+
+    return forward
+
+
+def _check_lstm_sequence(x_gates, w_hh, h0, c0, batch_sizes, w_hr) -> tuple[int, ...]:
+    """Check lstm_sequence's arguments against each other; returns the batch sizes as a tuple."""
+    batch, hidden_size = check_state("c0", c0)
+    dtype = c0.dtype
+    if w_hr is None:
+        check_float_array(h0, "h0", (batch, hidden_size), dtype)
+    else:
+        check_float_array(h0, "h0", (batch, None), dtype)
+        check_float_array(w_hr, "w_hr", (h0.shape[1], hidden_size), dtype)
+    check_float_array(x_gates, "x_gates", (None, 4 * hidden_size), dtype)
+    check_float_array(w_hh, "w_hh", (4 * hidden_size, h0.shape[1]), dtype)
+    return check_batch_sizes(batch_sizes, x_gates.shape[0], batch, rows_name="x_gates")
+
+
+def lstm_sequence(x_gates, w_hh, h0, c0, batch_sizes, reverse=False, w_hr=None):
+    """Run an LSTM over packed rows; returns ``output (N, P), h_n (B, P), c_n (B, H)``.
+
+    x_gates: (N, 4H) ``x @ W_ih.T + b_ih + b_hh`` for all rows; w_hh: (4H, P);
+    h0: (B, P), c0: (B, H); batch_sizes: rows per step; w_hr: (P, H) for a
+    projected LSTM (``proj_size = P``), else None.
+    """
+    batch_sizes = _check_lstm_sequence(x_gates, w_hh, h0, c0, batch_sizes, w_hr)
+    use_kernels = kernels.uses_kernels()
+    function = _lstm_sequence_function(batch_sizes, bool(reverse), w_hr is not None, use_kernels)
+    projection = () if w_hr is None else (w_hr,)
+    output, h_n, c_n = function(x_gates, w_hh, h0, c0, *projection)[:3]
+    return output, h_n, c_n
+
+
+@functools.lru_cache(maxsize=512)
+def _gru_sequence_function(batch_sizes: tuple[int, ...], reverse: bool, use_kernels: bool):
+    steps = _steps(batch_sizes, reverse)
+    num_steps = len(steps)
+
+    @mx.custom_function
+    def forward(x_gates, w_hh, b_hh, h0):
+        # x_gates (N, 3H) = x @ W_ih.T + b_ih; w_hh (3H, H); b_hh (3H,); h0 (B, H)
+        if _use_whole_sequence_kernel(use_kernels, *h0.shape):
+            output, h_n, *saved = kernels.gru_sequence_forward(x_gates, w_hh, b_hh, h0, batch_sizes, reverse)
+            return (output, h_n, *(block for rows in saved for block in _by_step(rows, steps)))
+        h = h0
+        path = gate_path(x_gates, use_kernels)
+        outputs, activations, hidden_sides, h_prevs = ([None] * num_steps for _ in range(4))
+        for t, first, rows in steps:
+            h_prev = h[:rows]
+            hidden_side = mx.addmm(b_hh, h_prev, w_hh.T)
+            outputs[t], activations[t] = gru_pointwise_on(path, x_gates[first:first + rows], hidden_side, h_prev)
+            hidden_sides[t], h_prevs[t] = hidden_side, h_prev
+            h = _update(h, outputs[t])
+        return (_in_time_order(outputs), h, *activations, *hidden_sides, *h_prevs)
+
+    @forward.vjp
+    def backward(primals, cotangents, outputs):
+        w_hh = primals[1]
+        d_outputs, d_h = cotangents[:2]
+        saved = outputs[2:]
+        activations, hidden_sides, h_prevs = saved[:num_steps], saved[num_steps:2 * num_steps], saved[2 * num_steps:]
+        d_input_steps, d_hidden_steps = [None] * num_steps, [None] * num_steps
+        path = "kernel" if use_kernels else "ops"
+        for t, first, rows in reversed(steps):
+            d_out = d_outputs[first:first + rows] + d_h[:rows]
+            d_input_side, d_hidden_side, d_h_direct = gru_backward_on(
+                path, d_out, activations[t], hidden_sides[t], h_prevs[t]
+            )
+            d_h = _update(d_h, mx.addmm(d_h_direct, d_hidden_side, w_hh))
+            d_input_steps[t], d_hidden_steps[t] = d_input_side, d_hidden_side
+        d_hidden_all = _in_time_order(d_hidden_steps)
+        d_w_hh = d_hidden_all.T @ _in_time_order(list(h_prevs))
+        return _in_time_order(d_input_steps), d_w_hh, d_hidden_all.sum(axis=0), d_h
+
+    return forward
+
+
+def gru_sequence(x_gates, w_hh, b_hh, h0, batch_sizes, reverse=False):
+    """Run a GRU over packed rows; returns ``output (N, H), h_n (B, H)``.
+
+    x_gates: (N, 3H) ``x @ W_ih.T + b_ih``; w_hh: (3H, H); b_hh: (3H,) (zeros
+    for a layer without bias); h0: (B, H).
+    """
+    batch, hidden_size = check_state("h0", h0)
+    check_float_array(x_gates, "x_gates", (None, 3 * hidden_size), h0.dtype)
+    check_float_array(w_hh, "w_hh", (3 * hidden_size, hidden_size), h0.dtype)
+    check_float_array(b_hh, "b_hh", (3 * hidden_size,), h0.dtype)
+    batch_sizes = check_batch_sizes(batch_sizes, x_gates.shape[0], batch, rows_name="x_gates")
+    function = _gru_sequence_function(batch_sizes, bool(reverse), kernels.uses_kernels())
+    output, h_n = function(x_gates, w_hh, b_hh, h0)[:2]
+    return output, h_n
+
+
+@functools.lru_cache(maxsize=512)
+def _rnn_sequence_function(batch_sizes: tuple[int, ...], reverse: bool, nonlinearity: str, use_kernels: bool):
+    steps = _steps(batch_sizes, reverse)
+    num_steps = len(steps)
+
+    @mx.custom_function
+    def forward(x_gates, w_hh, h0):
+        # x_gates (N, H) = x @ W_ih.T + b_ih + b_hh; w_hh (H, H); h0 (B, H)
+        h = h0
+        path = gate_path(x_gates, use_kernels)
+        outputs, h_prevs = [None] * num_steps, [None] * num_steps
+        for t, first, rows in steps:
+            h_prevs[t] = h[:rows]
+            pre = mx.addmm(x_gates[first:first + rows], h_prevs[t], w_hh.T)
+            outputs[t] = rnn_activation_on(path, nonlinearity, pre)
+            h = _update(h, outputs[t])
+        return (_in_time_order(outputs), h, *h_prevs)
+
+    @forward.vjp
+    def backward(primals, cotangents, outputs):
+        w_hh = primals[1]
+        d_outputs, d_h = cotangents[:2]
+        output, h_prevs = outputs[0], outputs[2:]
+        d_pre_steps = [None] * num_steps
+        path = "kernel" if use_kernels else "ops"
+        for t, first, rows in reversed(steps):
+            d_out = d_outputs[first:first + rows] + d_h[:rows]
+            d_pre_steps[t] = rnn_activation_backward_on(path, nonlinearity, d_out, output[first:first + rows])
+            d_h = _update(d_h, d_pre_steps[t] @ w_hh)
+        d_x_gates = _in_time_order(d_pre_steps)
+        return d_x_gates, d_x_gates.T @ _in_time_order(list(h_prevs)), d_h
+
+    return forward
+
+
+def rnn_sequence(x_gates, w_hh, h0, batch_sizes, reverse=False, nonlinearity="tanh"):
+    """Run an Elman RNN over packed rows; returns ``output (N, H), h_n (B, H)``.
+
+    x_gates: (N, H) ``x @ W_ih.T + b_ih + b_hh``; w_hh: (H, H); h0: (B, H).
+    """
+    check_choice("nonlinearity", nonlinearity, kernels.NONLINEARITIES)
+    batch, hidden_size = check_state("h0", h0)
+    check_float_array(x_gates, "x_gates", (None, hidden_size), h0.dtype)
+    check_float_array(w_hh, "w_hh", (hidden_size, hidden_size), h0.dtype)
+    batch_sizes = check_batch_sizes(batch_sizes, x_gates.shape[0], batch, rows_name="x_gates")
+    use_kernels = kernels.uses_kernels()
+    function = _rnn_sequence_function(batch_sizes, bool(reverse), nonlinearity, use_kernels)
+    output, h_n = function(x_gates, w_hh, h0)[:2]
+    return output, h_n
