@@ -3,6 +3,9 @@
 ``show_source`` is how every chapter shows the code it discusses: straight from
 the installed library, so the page shows exactly what the tests test.
 
+``show_kernel`` shows a Metal kernel as MLX compiles it: the body from
+``metal_kernels/`` inside the signature MLX generates for it.
+
 ``below`` is how every chapter prints a comparison with a reference.  The digits
 of a float32 rounding error depend on the machine (BLAS kernels, vector width,
 thread count, Metal or CPU), so a chapter that printed ``4.47e-08`` would show
@@ -18,12 +21,24 @@ import inspect
 import numpy as np
 from IPython.display import Code
 
-__all__ = ["below", "show_source"]
+__all__ = ["below", "show_kernel", "show_source"]
 
 
 def show_source(obj) -> Code:
     """Syntax-highlighted source of a seqlib function, class or method."""
     return Code(inspect.getsource(obj), language="python")
+
+
+def show_kernel(name: str, dtype=None, **template) -> Code:
+    """Syntax-highlighted source of seqlib's Metal kernel ``name`` with the signature MLX generates for it.
+
+    ``dtype`` (default float32) and ``template`` values as :func:`seqlib.kernels.generated_source` takes them.
+    """
+    import mlx.core as mx
+
+    from seqlib.kernels import generated_source
+
+    return Code(generated_source(name, mx.float32 if dtype is None else dtype, **template), language="cpp")
 
 
 def below(error, bound: float) -> str:

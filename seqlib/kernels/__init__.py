@@ -9,7 +9,9 @@ Layout (one module per kernel family; each launcher sits with its checks and its
 - :mod:`~seqlib.kernels.sequence_kernels`: a whole layer-direction in one launch
   (``lstm_sequence``, ``lstm_sequence_simple``, ``gru_sequence``);
 - :mod:`~seqlib.kernels.embedding_kernels`: lookups, their scatter-add gradient, renormalisation;
-- :mod:`~seqlib.kernels.bag_kernels`: bags of lookups and their gradients.
+- :mod:`~seqlib.kernels.bag_kernels`: bags of lookups and their gradients;
+- :mod:`~seqlib.kernels.catalog`: every kernel's :class:`~seqlib.kernels.backend.KernelSpec`
+  by name, and the source MLX generates for it.
 
 On a Mac with Metal, seqlib's modules run these kernels; elsewhere they run the
 MLX-ops path (:mod:`seqlib.pointwise`, :mod:`seqlib.scan`, :mod:`seqlib.functional`),
@@ -43,6 +45,7 @@ from seqlib.kernels.backend import (
     uses_kernels,
 )
 from seqlib.kernels.bag_kernels import BagMode, embedding_bag
+from seqlib.kernels.catalog import KERNEL_SPECS, generated_source
 from seqlib.kernels.cell_kernels import (
     NONLINEARITIES,
     gru_pointwise,
@@ -65,6 +68,7 @@ from seqlib.kernels.sequence_kernels import (
 __all__ = [
     "BACKENDS",
     "KERNEL_DTYPES",
+    "KERNEL_SPECS",
     "LSTM_SEQUENCE_VERSIONS",
     "NONLINEARITIES",
     "SEQUENCE_KERNEL_MAX_BATCH",
@@ -75,6 +79,7 @@ __all__ = [
     "embedding",
     "embedding_bag",
     "embedding_renorm_scales",
+    "generated_source",
     "gru_pointwise",
     "gru_pointwise_backward",
     "gru_sequence_forward",

@@ -20,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import os
+from dataclasses import dataclass
 from pathlib import Path
 
 import mlx.core as mx
@@ -31,6 +32,8 @@ __all__ = [
     "BACKEND_ENV",
     "KERNEL_DIR_ENV",
     "KERNEL_DTYPES",
+    "KernelSpec",
+    "T",
     "backend",
     "build_kernel",
     "check_kernel_dtype",
@@ -137,25 +140,53 @@ def use_backend(name: str):
 
 # ----------------------------------------------------------------- building and launching
 
+T = "T"  # in a KernelSpec: the floating dtype of the call (the template argument T where the kernel has one)
+
+
+@dataclass(frozen=True)
+class KernelSpec:
+    """How seqlib builds ``metal_kernels/<name>.metal`` into a kernel: its buffers and template, in order.
+
+    inputs, outputs: ``(name, dtype)`` pairs in buffer order; dtype is :data:`T` or an MLX dtype.
+    scalars: the inputs passed as 0-d arrays (``const constant T& name`` in the signature).
+    atomic: outputs are ``device atomic<T>*`` (scatter-adds).  template: an example
+    instantiation, ``(name, value)`` pairs in MLX's order, for showing the generated source.
+    """
+
+    name: str
+    inputs: tuple[tuple[str, object], ...]
+    outputs: tuple[tuple[str, object], ...]
+    template: tuple[tuple[str, object], ...] = (("T", T),)
+    scalars: tuple[str, ...] = ()
+    atomic: bool = False
+
+    @property
+    def input_names(self) -> tuple[str, ...]:
+        return tuple(name for name, _ in self.inputs)
+
+    @property
+    def output_names(self) -> tuple[str, ...]:
+        return tuple(name for name, _ in self.outputs)
+
 
 @functools.cache
-def _build(factory, name: str, inputs: tuple[str, ...], outputs: tuple[str, ...], atomic: bool):
+def _build(factory, spec: KernelSpec):
     return factory(
-        name=name,
-        input_names=list(inputs),
-        output_names=list(outputs),
-        source=kernel_source(name),
+        name=spec.name,
+        input_names=list(spec.input_names),
+        output_names=list(spec.output_names),
+        source=kernel_source(spec.name),
         header=kernel_header(),
         ensure_row_contiguous=True,
-        atomic_outputs=atomic,
+        atomic_outputs=spec.atomic,
     )
 
 
-def build_kernel(name: str, inputs: tuple[str, ...], outputs: tuple[str, ...], atomic: bool = False):
-    """The kernel ``metal_kernels/<name>.metal`` with these input and output names, for the current backend:
-    built by ``mx.fast.metal_kernel`` on Metal, by :func:`seqlib.emulation.metal_kernel` when emulating."""
+def build_kernel(spec: KernelSpec):
+    """The kernel ``spec`` describes, for the current backend: built by ``mx.fast.metal_kernel`` on Metal,
+    by :func:`seqlib.emulation.metal_kernel` when emulating (both cache what they compile)."""
     factory = emulation.metal_kernel if backend() == "emulate" else mx.fast.metal_kernel
-    return _build(factory, name, tuple(inputs), tuple(outputs), atomic)
+    return _build(factory, spec)
 
 
 KERNEL_DTYPES = (mx.float32, mx.float16, mx.bfloat16)

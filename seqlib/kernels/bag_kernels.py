@@ -18,7 +18,7 @@ import numpy as np
 
 from seqlib._bags import BAG_MODES, bag_bounds, flatten_bags
 from seqlib._checks import check_choice, check_per_sample_weights, normalize_padding_idx
-from seqlib.kernels.backend import build_kernel, elementwise_launch
+from seqlib.kernels.backend import T, KernelSpec, build_kernel, elementwise_launch
 from seqlib.kernels.embedding_kernels import check_kernel_table, checked_indices, padding_scalar
 
 __all__ = ["BagMode", "embedding_bag", "pool_bags"]
@@ -32,7 +32,31 @@ class BagMode(enum.IntEnum):
     MAX = 2
 
 
-_BACKWARD_INPUTS = ("d_out", "indices", "bag_of_entry", "bag_size", "per_sample_weights", "max_entry", "padding_idx")
+_BAG_TEMPLATE = (("T", T), ("MODE", 0), ("WEIGHTED", False))
+EMBEDDING_BAG = KernelSpec(
+    "embedding_bag",
+    (("weight", T), ("indices", mx.int32), ("bag_bounds", mx.int32), ("per_sample_weights", T),
+     ("padding_idx", mx.int32)),
+    (("out", T), ("max_entry", mx.int32)),
+    template=_BAG_TEMPLATE,
+    scalars=("padding_idx",),
+)  # fmt: skip
+EMBEDDING_BAG_BACKWARD = KernelSpec(
+    "embedding_bag_backward",
+    (("d_out", T), ("indices", mx.int32), ("bag_of_entry", mx.int32), ("bag_size", mx.int32),
+     ("per_sample_weights", T), ("max_entry", mx.int32), ("padding_idx", mx.int32)),
+    (("d_weight", mx.float32),),
+    template=_BAG_TEMPLATE,
+    scalars=("padding_idx",),
+    atomic=True,
+)  # fmt: skip
+EMBEDDING_BAG_PER_SAMPLE_WEIGHTS_BACKWARD = KernelSpec(
+    "embedding_bag_per_sample_weights_backward",
+    (("d_out", T), ("weight", T), ("indices", mx.int32), ("bag_of_entry", mx.int32), ("padding_idx", mx.int32)),
+    (("d_per_sample_weights", T),),
+    scalars=("padding_idx",),
+)
+SPECS = (EMBEDDING_BAG, EMBEDDING_BAG_BACKWARD, EMBEDDING_BAG_PER_SAMPLE_WEIGHTS_BACKWARD)
 
 
 def embedding_bag(
@@ -88,11 +112,7 @@ def pool_bags(weight, flat, bounds: np.ndarray, mode: str, per_sample_weights, p
 
     @mx.custom_function
     def bag(table, sample_weights):
-        kernel = build_kernel(
-            "embedding_bag",
-            ("weight", "indices", "bag_bounds", "per_sample_weights", "padding_idx"),
-            ("out", "max_entry"),
-        )
+        kernel = build_kernel(EMBEDDING_BAG)
         return tuple(
             kernel(
                 inputs=[table, flat, bounds, sample_weights, padding],
@@ -107,7 +127,7 @@ def pool_bags(weight, flat, bounds: np.ndarray, mode: str, per_sample_weights, p
     def bag_vjp(primals, cotangents, outputs):
         table, sample_weights = primals
         d_out, max_entry = cotangents[0], outputs[1]
-        backward = build_kernel("embedding_bag_backward", _BACKWARD_INPUTS, ("d_weight",), atomic=True)
+        backward = build_kernel(EMBEDDING_BAG_BACKWARD)
         items = num_bags if mode == "max" else flat.size  # max: one thread per bag column, else per entry column
         d_weight = backward(
             inputs=[d_out, flat, bag_of_entry, bag_size, sample_weights, max_entry, padding],
@@ -119,11 +139,7 @@ def pool_bags(weight, flat, bounds: np.ndarray, mode: str, per_sample_weights, p
         )[0].astype(table.dtype)
         if not weighted:
             return d_weight, mx.zeros_like(sample_weights)
-        weights_kernel = build_kernel(
-            "embedding_bag_per_sample_weights_backward",
-            ("d_out", "weight", "indices", "bag_of_entry", "padding_idx"),
-            ("d_per_sample_weights",),
-        )
+        weights_kernel = build_kernel(EMBEDDING_BAG_PER_SAMPLE_WEIGHTS_BACKWARD)
         d_sample_weights = weights_kernel(
             inputs=[d_out, table, flat, bag_of_entry, padding],
             template=[("T", sample_weights.dtype)],

@@ -11,7 +11,7 @@ from __future__ import annotations
 import mlx.core as mx
 
 from seqlib._checks import check_choice, check_float_array, check_state
-from seqlib.kernels.backend import build_kernel, check_kernel_dtype, elementwise_launch
+from seqlib.kernels.backend import T, KernelSpec, build_kernel, check_kernel_dtype, elementwise_launch
 
 __all__ = [
     "NONLINEARITIES",
@@ -26,6 +26,27 @@ __all__ = [
 NONLINEARITIES = ("tanh", "relu")
 
 
+def _floats(*names: str) -> tuple:
+    return tuple((name, T) for name in names)
+
+
+LSTM_CELL = KernelSpec("lstm_cell", _floats("gates", "c_prev"), _floats("h", "c", "activations", "tanh_c"))
+LSTM_CELL_BACKWARD = KernelSpec(
+    "lstm_cell_backward", _floats("d_h", "d_c", "activations", "tanh_c", "c_prev"), _floats("d_gates", "d_c_prev")
+)
+GRU_CELL = KernelSpec("gru_cell", _floats("input_side", "hidden_side", "h_prev"), _floats("h", "activations"))
+GRU_CELL_BACKWARD = KernelSpec(
+    "gru_cell_backward",
+    _floats("d_h", "activations", "hidden_side", "h_prev"),
+    _floats("d_input_side", "d_hidden_side", "d_h_prev"),
+)
+RNN_CELL = KernelSpec("rnn_cell", _floats("pre"), _floats("h"), template=(("T", T), ("RELU", False)))
+RNN_CELL_BACKWARD = KernelSpec(
+    "rnn_cell_backward", _floats("d_h", "h"), _floats("d_pre"), template=(("T", T), ("RELU", False))
+)
+SPECS = (LSTM_CELL, LSTM_CELL_BACKWARD, GRU_CELL, GRU_CELL_BACKWARD, RNN_CELL, RNN_CELL_BACKWARD)
+
+
 def lstm_pointwise(gates: mx.array, c_prev: mx.array):
     """lstm_cell.metal: ``h, c (B, H), activations (B, 4H), tanh_c (B, H)`` from gates (B, 4H) and c_prev (B, H).
 
@@ -35,7 +56,7 @@ def lstm_pointwise(gates: mx.array, c_prev: mx.array):
     batch, hidden_size = check_state("c_prev", c_prev)
     check_kernel_dtype("c_prev", c_prev)
     check_float_array(gates, "gates", (batch, 4 * hidden_size), c_prev.dtype)
-    kernel = build_kernel("lstm_cell", ("gates", "c_prev"), ("h", "c", "activations", "tanh_c"))
+    kernel = build_kernel(LSTM_CELL)
     return tuple(
         kernel(
             inputs=[gates, c_prev],
@@ -55,9 +76,7 @@ def lstm_pointwise_backward(d_h, d_c, activations, tanh_c, c_prev):
     for name, array in (("d_h", d_h), ("d_c", d_c), ("tanh_c", tanh_c)):
         check_float_array(array, name, (batch, hidden_size), c_prev.dtype)
     check_float_array(activations, "activations", (batch, 4 * hidden_size), c_prev.dtype)
-    kernel = build_kernel(
-        "lstm_cell_backward", ("d_h", "d_c", "activations", "tanh_c", "c_prev"), ("d_gates", "d_c_prev")
-    )
+    kernel = build_kernel(LSTM_CELL_BACKWARD)
     return tuple(
         kernel(
             inputs=[d_h, d_c, activations, tanh_c, c_prev],
@@ -76,7 +95,7 @@ def gru_pointwise(input_side: mx.array, hidden_side: mx.array, h_prev: mx.array)
     check_kernel_dtype("h_prev", h_prev)
     check_float_array(input_side, "input_side", (batch, 3 * hidden_size), h_prev.dtype)
     check_float_array(hidden_side, "hidden_side", (batch, 3 * hidden_size), h_prev.dtype)
-    kernel = build_kernel("gru_cell", ("input_side", "hidden_side", "h_prev"), ("h", "activations"))
+    kernel = build_kernel(GRU_CELL)
     return tuple(
         kernel(
             inputs=[input_side, hidden_side, h_prev],
@@ -96,11 +115,7 @@ def gru_pointwise_backward(d_h, activations, hidden_side, h_prev):
     check_float_array(d_h, "d_h", (batch, hidden_size), h_prev.dtype)
     check_float_array(activations, "activations", (batch, 3 * hidden_size), h_prev.dtype)
     check_float_array(hidden_side, "hidden_side", (batch, 3 * hidden_size), h_prev.dtype)
-    kernel = build_kernel(
-        "gru_cell_backward",
-        ("d_h", "activations", "hidden_side", "h_prev"),
-        ("d_input_side", "d_hidden_side", "d_h_prev"),
-    )
+    kernel = build_kernel(GRU_CELL_BACKWARD)
     return tuple(
         kernel(
             inputs=[d_h, activations, hidden_side, h_prev],
@@ -117,7 +132,7 @@ def rnn_activation(pre: mx.array, nonlinearity: str = "tanh") -> mx.array:
     check_choice("nonlinearity", nonlinearity, NONLINEARITIES)
     check_state("pre", pre)
     check_kernel_dtype("pre", pre)
-    kernel = build_kernel("rnn_cell", ("pre",), ("h",))
+    kernel = build_kernel(RNN_CELL)
     return kernel(
         inputs=[pre],
         template=[("T", pre.dtype), ("RELU", nonlinearity == "relu")],
@@ -134,7 +149,7 @@ def rnn_activation_backward(d_h: mx.array, h: mx.array, nonlinearity: str = "tan
     check_state("h", h)
     check_kernel_dtype("h", h)
     check_float_array(d_h, "d_h", h.shape, h.dtype)
-    kernel = build_kernel("rnn_cell_backward", ("d_h", "h"), ("d_pre",))
+    kernel = build_kernel(RNN_CELL_BACKWARD)
     return kernel(
         inputs=[d_h, h],
         template=[("T", h.dtype), ("RELU", nonlinearity == "relu")],

@@ -24,9 +24,28 @@ from seqlib._checks import (
     check_weight,
     normalize_padding_idx,
 )
-from seqlib.kernels.backend import build_kernel, check_kernel_dtype, elementwise_launch, int_scalar
+from seqlib.kernels.backend import T, KernelSpec, build_kernel, check_kernel_dtype, elementwise_launch, int_scalar
 
 __all__ = ["NormKind", "embedding", "embedding_renorm_scales", "gather_rows", "renorm_scales"]
+
+
+EMBEDDING_GATHER = KernelSpec("embedding_gather", (("weight", T), ("indices", mx.int32)), (("out", T),), template=())
+EMBEDDING_BACKWARD = KernelSpec(
+    "embedding_backward",
+    (("d_out", T), ("indices", mx.int32), ("grad_scale", mx.float32), ("padding_idx", mx.int32)),
+    (("d_weight", mx.float32),),
+    template=(("T", T), ("SCALED", False)),
+    scalars=("padding_idx",),
+    atomic=True,
+)
+EMBEDDING_RENORM = KernelSpec(
+    "embedding_renorm",
+    (("weight", T), ("rows", mx.int32), ("max_norm", mx.float32), ("norm_type", mx.float32)),
+    (("scale", mx.float32),),
+    template=(("T", T), ("NORM", 2)),
+    scalars=("max_norm", "norm_type"),
+)
+SPECS = (EMBEDDING_GATHER, EMBEDDING_BACKWARD, EMBEDDING_RENORM)
 
 
 class NormKind(enum.IntEnum):
@@ -84,9 +103,7 @@ def _scatter_rows(d_out, flat_indices, num_embeddings, padding_idx, grad_scale) 
     """embedding_backward.metal: scatter-add of (N, D) row gradients into a (V, D) float32 table."""
     num_lookups, embedding_dim = d_out.shape
     scaled = grad_scale is not None
-    kernel = build_kernel(
-        "embedding_backward", ("d_out", "indices", "grad_scale", "padding_idx"), ("d_weight",), atomic=True
-    )
+    kernel = build_kernel(EMBEDDING_BACKWARD)
     return kernel(
         inputs=[d_out, flat_indices, grad_scale if scaled else mx.ones((1,)), padding_scalar(padding_idx)],
         template=[("T", d_out.dtype), ("SCALED", scaled)],
@@ -104,7 +121,7 @@ def gather_rows(weight: mx.array, indices: mx.array, padding_idx: int | None, gr
     flat = indices.reshape(-1).astype(mx.int32)
     if flat.size == 0 or embedding_dim == 0:  # nothing to launch (torch: an empty result too)
         return mx.zeros((*shape, embedding_dim), weight.dtype)
-    gather = build_kernel("embedding_gather", ("weight", "indices"), ("out",))
+    gather = build_kernel(EMBEDDING_GATHER)
 
     @mx.custom_function
     def lookup(table):
@@ -143,7 +160,7 @@ def renorm_scales(weight, flat_rows, max_norm, norm_type) -> mx.array:
     kind = norm_kind(norm_type)
     threads = min(1024, -(-embedding_dim // 32) * 32)
     p = float(norm_type) if kind == NormKind.P else 2.0  # read by the kernel only for NormKind.P
-    kernel = build_kernel("embedding_renorm", ("weight", "rows", "max_norm", "norm_type"), ("scale",))
+    kernel = build_kernel(EMBEDDING_RENORM)
     return kernel(
         inputs=[weight, flat_rows, mx.array(float(max_norm)), mx.array(p)],
         template=[("T", weight.dtype), ("NORM", int(kind))],

@@ -18,7 +18,7 @@ import mlx.core as mx
 import numpy as np
 
 from seqlib._checks import check_batch_sizes, check_choice, check_float_array, check_state
-from seqlib.kernels.backend import build_kernel, check_kernel_dtype
+from seqlib.kernels.backend import T, KernelSpec, build_kernel, check_kernel_dtype
 
 __all__ = [
     "LSTM_SEQUENCE_VERSIONS",
@@ -32,7 +32,22 @@ __all__ = [
 SEQUENCE_KERNEL_MAX_HIDDEN = 1024  # the threadgroup arrays hold 1024 floats per state vector
 SEQUENCE_KERNEL_MAX_BATCH = 8  # above this, one matmul per step beats re-reading W_hh per sequence
 SEQUENCE_THREADS = 256  # 8 SIMD groups per sequence
-LSTM_SEQUENCE_VERSIONS = {"simd": "lstm_sequence", "simple": "lstm_sequence_simple"}
+_STEPS = (("step_offsets", mx.int32), ("batch_sizes", mx.int32))
+_LSTM_BUFFERS = (
+    (("x_gates", T), ("w_hh", T), ("h0", T), ("c0", T), *_STEPS),
+    tuple((name, T) for name in ("output", "h_n", "c_n", "activations", "tanh_c", "c_prev", "h_prev")),
+)
+LSTM_SEQUENCE_VERSIONS = {
+    "simd": KernelSpec("lstm_sequence", *_LSTM_BUFFERS, template=(("T", T), ("REVERSE", False))),
+    "simple": KernelSpec("lstm_sequence_simple", *_LSTM_BUFFERS, template=(("T", T), ("REVERSE", False))),
+}
+GRU_SEQUENCE = KernelSpec(
+    "gru_sequence",
+    (("x_gates", T), ("w_hh", T), ("b_hh", T), ("h0", T), *_STEPS),
+    tuple((name, T) for name in ("output", "h_n", "activations", "hidden_side", "h_prev")),
+    template=(("T", T), ("REVERSE", False)),
+)
+SPECS = (*LSTM_SEQUENCE_VERSIONS.values(), GRU_SEQUENCE)
 
 
 def sequence_kernel_serves(batch: int, hidden_size: int) -> bool:
@@ -82,11 +97,7 @@ def lstm_sequence_forward(x_gates, w_hh, h0, c0, batch_sizes, reverse: bool = Fa
     batch, hidden_size = _check_sequence(x_gates, w_hh, h0, 4)
     check_float_array(c0, "c0", h0.shape, h0.dtype)
     step_offsets, sizes = _packed_steps(batch_sizes, x_gates.shape[0], batch)
-    kernel = build_kernel(
-        LSTM_SEQUENCE_VERSIONS[version],
-        ("x_gates", "w_hh", "h0", "c0", "step_offsets", "batch_sizes"),
-        ("output", "h_n", "c_n", "activations", "tanh_c", "c_prev", "h_prev"),
-    )
+    kernel = build_kernel(LSTM_SEQUENCE_VERSIONS[version])
     rows = (x_gates.shape[0], hidden_size)
     return tuple(
         kernel(
@@ -109,11 +120,7 @@ def gru_sequence_forward(x_gates, w_hh, b_hh, h0, batch_sizes, reverse: bool = F
     batch, hidden_size = _check_sequence(x_gates, w_hh, h0, 3)
     check_float_array(b_hh, "b_hh", (3 * hidden_size,), h0.dtype)
     step_offsets, sizes = _packed_steps(batch_sizes, x_gates.shape[0], batch)
-    kernel = build_kernel(
-        "gru_sequence",
-        ("x_gates", "w_hh", "b_hh", "h0", "step_offsets", "batch_sizes"),
-        ("output", "h_n", "activations", "hidden_side", "h_prev"),
-    )
+    kernel = build_kernel(GRU_SEQUENCE)
     rows = (x_gates.shape[0], hidden_size)
     return tuple(
         kernel(
