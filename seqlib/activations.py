@@ -1,7 +1,8 @@
 """``tanh`` and ``sigmoid`` from multiplies, adds and one divide: the recurrent layers' gate functions.
 
 Why not ``mx.tanh``?  On x86 CPUs MLX evaluates ``exp``/``tanh``/``sigmoid`` one
-element at a time (15-20 ns per element, measured in ``shared/notes``), and an
+element at a time (15-20 ns per element on an AVX2 server with MLX 0.32: time
+``mx.eval(mx.tanh(x))`` for a million-element ``x`` to see it on yours), and an
 LSTM step spends most of its time there.  A rational function needs only the
 arithmetic that compilers vectorise, and ``mx.compile`` fuses it into one loop:
 
