@@ -33,7 +33,7 @@ import math
 
 import numpy as np
 
-from seqlib._bags import bag_bounds
+from seqlib._bags import BAG_MODES, bag_bounds
 from seqlib._checks import (
     check_choice,
     check_index_range,
@@ -266,8 +266,6 @@ def gru_backward(d_hs, cache):
 
 # ---------------------------------------------------------------- 4. embeddings
 
-_BAG_MODES = ("sum", "mean", "max")  # as seqlib.functional
-
 
 def _check_indices(value, name: str) -> np.ndarray:
     """Raise a TypeError unless ``value`` is a NumPy integer array (floats and bools refused, as in torch)."""
@@ -407,7 +405,7 @@ def _counted_entries(indices: np.ndarray, start: int, end: int, padding_idx: int
 
 def _check_bag_arguments(input, offsets, num_embeddings, mode, per_sample_weights, include_last_offset, padding_idx):
     """What both bag functions check: the flat indices, bounds, padding row and flat sample weights (or None)."""
-    check_choice("mode", mode, _BAG_MODES)
+    check_choice("mode", mode, BAG_MODES)
     indices, bounds = _bags(input, offsets, include_last_offset)
     check_index_range(indices, num_embeddings, "input")
     padding_idx = normalize_padding_idx(padding_idx, num_embeddings)
