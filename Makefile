@@ -19,7 +19,7 @@ OTHER_NUMERICS := OMP_NUM_THREADS=1 OPENBLAS_NUM_THREADS=1
 endif
 
 .DEFAULT_GOAL := help
-.PHONY: help book test lab unit nbval nbval-numerics lint book-strict browser-test clean
+.PHONY: help book test lab unit unit-emulate nbval nbval-numerics lint book-strict browser-test clean
 
 help:  ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-13s %s\n", $$1, $$2}'
@@ -45,7 +45,7 @@ book: $(VENV)/.book-installed  ## build the book into _build/html (runs every ch
 	$(BIN)/jupyter-book build --all -W --keep-going .
 	@echo "==> done: open _build/html/index.html"
 
-test: lint unit book nbval nbval-numerics browser-test  ## everything: ruff, unit tests, book build, nbval (twice), browser check
+test: lint unit unit-emulate book nbval nbval-numerics browser-test  ## everything: ruff, unit tests (ops and emulated kernels), book, nbval (twice), browser check
 	@echo "==> all checks passed"
 
 lint: $(VENV)/.test-installed  ## ruff on the library, tests and notebooks
@@ -55,6 +55,14 @@ lint: $(VENV)/.test-installed  ## ruff on the library, tests and notebooks
 unit: $(VENV)/.test-installed  ## the library's unit tests (seqlib against PyTorch)
 	@echo "==> unit tests"
 	$(BIN)/python -m pytest tests --ignore=tests/browser
+
+# The modules' torch-parity tests again, with every module on its Metal path through seqlib.emulation.
+PARITY_TESTS := tests/test_cells.py tests/test_embedding.py tests/test_embedding_bag.py tests/test_recurrent_layers.py \
+                tests/test_sparse.py tests/test_packing.py tests/test_interop.py
+
+unit-emulate: $(VENV)/.test-installed  ## the torch-parity tests with SEQLIB_BACKEND=emulate (the kernels, emulated)
+	@echo "==> torch-parity tests on the emulated Metal kernels (SEQLIB_BACKEND=emulate)"
+	SEQLIB_BACKEND=emulate $(BIN)/python -m pytest $(PARITY_TESTS) -p no:randomly
 
 nbval: $(VENV)/.test-installed  ## re-run every chapter and compare with its stored outputs
 	@echo "==> nbval: re-running the chapters against their stored outputs"

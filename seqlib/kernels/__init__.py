@@ -33,6 +33,7 @@ work through them.
 """
 
 from seqlib.kernels.backend import (
+    BACKEND_ENV,
     BACKENDS,
     KERNEL_DTYPES,
     backend,
@@ -67,6 +68,7 @@ from seqlib.kernels.sequence_kernels import (
 
 __all__ = [
     "BACKENDS",
+    "BACKEND_ENV",
     "KERNEL_DTYPES",
     "KERNEL_SPECS",
     "LSTM_SEQUENCE_VERSIONS",
