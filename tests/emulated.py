@@ -1,12 +1,8 @@
-"""A Metal emulation owned by the test suite: seqlib's kernels compiled as C++ and run on the CPU.
+"""The test suite's switch to seqlib's Metal path: the emulation on Linux, real Metal on a Mac.
 
-- :mod:`.codegen`: MLX's exact signature text around a kernel body;
-- :mod:`.runner`: ``metal_kernel``, a drop-in for ``mx.fast.metal_kernel``;
-- :mod:`.lint`: what Metal rejects but g++ would accept;
-- ``include/metal_emulation.h``: the MSL names and the fiber scheduler.
-
-:func:`metal_backend` points seqlib at the emulation, so the modules take
-their Metal path on Linux.
+On a Mac, SEQLIB_TEST_REAL_METAL=1 runs the same kernel tests on the GPU
+(.github/workflows/metal.yml does); elsewhere they run through seqlib.emulation.
+:func:`launch_count` counts kernel launches on either.
 """
 
 from __future__ import annotations
@@ -14,37 +10,43 @@ from __future__ import annotations
 import contextlib
 import os
 
-from seqlib import kernels
+import mlx.core as mx
 
-from . import runner
+from seqlib import emulation, kernels
 
-# On a Mac, SEQLIB_TEST_REAL_METAL=1 runs the same kernel tests on the GPU instead
-# (.github/workflows/metal.yml does): metal_backend then only counts launches.
 REAL_METAL = os.environ.get("SEQLIB_TEST_REAL_METAL") == "1"
+
+_real_launches = 0
+_mlx_metal_kernel = mx.fast.metal_kernel
 
 
 def _counting_metal_kernel(**arguments):
-    kernel = kernels.mx.fast.metal_kernel(**arguments)
+    """mx.fast.metal_kernel, with every launch of the kernel counted (for launch_count on real Metal)."""
+    kernel = _mlx_metal_kernel(**arguments)
 
     def launch(**call):
-        runner.launch_count += 1
+        global _real_launches
+        _real_launches += 1
         return kernel(**call)
 
     return launch
 
 
+def launch_count() -> int:
+    """How many Metal kernels have been launched so far (emulated, or on the GPU inside metal_backend)."""
+    return emulation.launch_count() + _real_launches
+
+
 @contextlib.contextmanager
 def metal_backend(order: str = "forward", pad_grid: bool = False, seed: int = 0):
-    """Inside the block seqlib believes Metal is available and runs every kernel in the emulation
-    (with this thread order and grid padding), or on the GPU where REAL_METAL is set."""
-    saved_factory, saved_available = kernels._factory, kernels.metal_available
+    """Run the block on seqlib's Metal path: emulated (with this thread order and grid padding) or real."""
     if REAL_METAL:
-        kernels._factory = _counting_metal_kernel
-    else:
-        kernels._factory = runner.metal_kernel
-        kernels.metal_available = lambda: True
-    try:
-        with runner.emulation(order, seed, pad_grid), kernels.use_backend("metal"):
-            yield
-    finally:
-        kernels._factory, kernels.metal_available = saved_factory, saved_available
+        mx.fast.metal_kernel = _counting_metal_kernel
+        try:
+            with kernels.use_backend("metal"):
+                yield
+        finally:
+            mx.fast.metal_kernel = _mlx_metal_kernel
+        return
+    with emulation.options(order=order, seed=seed, pad_grid=pad_grid), kernels.use_backend("emulate"):
+        yield

@@ -14,9 +14,9 @@ import sys
 
 import mlx.core as mx
 import pytest
-from metal_emulation import metal_backend, runner
+from emulated import metal_backend
 
-from seqlib import kernels
+from seqlib import emulation, kernels
 
 pytestmark = pytest.mark.metal_emulation
 
@@ -56,25 +56,38 @@ def mlx_texts(calls):
     return [texts[number] for number in range(len(calls))]
 
 
-def run_every_kernel():
+def as_call(launch: emulation.Launch) -> dict:
+    """A recorded launch as the JSON the MLX script takes."""
+    return {
+        "name": launch.name, "input_names": list(launch.input_names), "output_names": list(launch.output_names),
+        "source": launch.source, "header": launch.header, "atomic_outputs": launch.atomic_outputs,
+        "inputs": [(shape, str(dtype)) for shape, dtype in zip(launch.input_shapes, launch.input_dtypes, strict=True)],
+        "template": [(k, v if isinstance(v, (bool, int)) else str(v)) for k, v in launch.template or []],
+        "output_shapes": list(launch.output_shapes), "output_dtypes": [str(d) for d in launch.output_dtypes],
+        "text": launch.text,
+    }  # fmt: skip
+
+
+def run_every_kernel() -> list[emulation.Launch]:
     """One call of each seqlib kernel, in the emulation, with the arguments seqlib passes."""
     x = mx.ones((3, 8))
-    with metal_backend():
-        kernels.lstm_cell(mx.zeros((3, 32)).astype(mx.float16), x.astype(mx.float16))
-        kernels.lstm_cell_backward(x, x, mx.zeros((3, 32)), x, x)
-        kernels.gru_cell(mx.zeros((3, 24)), mx.zeros((3, 24)), x)
-        kernels.gru_cell_backward(x, mx.zeros((3, 24)), mx.zeros((3, 24)), x)
-        kernels.rnn_cell(x, "relu")
-        kernels.rnn_cell_backward(x, x, "tanh")
+    with metal_backend(), emulation.record() as launches:
+        kernels.lstm_pointwise(mx.zeros((3, 32)).astype(mx.float16), x.astype(mx.float16))
+        kernels.lstm_pointwise_backward(x, x, mx.zeros((3, 32)), x, x)
+        kernels.gru_pointwise(mx.zeros((3, 24)), mx.zeros((3, 24)), x)
+        kernels.gru_pointwise_backward(x, mx.zeros((3, 24)), mx.zeros((3, 24)), x)
+        kernels.rnn_activation(x, "relu")
+        kernels.rnn_activation_backward(x, x, "tanh")
         for version in ("simd", "simple"):
-            kernels.lstm_sequence(mx.zeros((5, 32)), mx.zeros((32, 8)), x, x, (3, 2), True, version)
-        kernels.gru_sequence(mx.zeros((5, 24)), mx.zeros((24, 8)), mx.zeros((24,)), x, (3, 2))
-        kernels.embedding(mx.ones((10, 8)), mx.array([1, 2, 3]), padding_idx=2, grad_scale=mx.ones((3,)))
-        mx.grad(lambda w: kernels.embedding(w, mx.array([1, 2, 3]), grad_scale=mx.ones((3,))).sum())(mx.ones((10, 8)))
+            kernels.lstm_sequence_forward(mx.zeros((5, 32)), mx.zeros((32, 8)), x, x, (3, 2), True, version)
+        kernels.gru_sequence_forward(mx.zeros((5, 24)), mx.zeros((24, 8)), mx.zeros((24,)), x, (3, 2))
+        kernels.embedding(mx.array([1, 2, 3]), mx.ones((10, 8)), padding_idx=2, grad_scale=mx.ones((3,)))
+        mx.grad(lambda w: kernels.embedding(mx.array([1, 2, 3]), w, grad_scale=mx.ones((3,))).sum())(mx.ones((10, 8)))
         kernels.embedding_renorm_scales(mx.ones((10, 8)), mx.array([1, 2]), 1.0, 3.0)
-        bag = lambda w, p: kernels.embedding_bag(w, mx.arange(9), mx.array([0, 4, 9]), "sum", p, 3).sum()
+        bag = lambda w, p: kernels.embedding_bag(mx.arange(9), w, mx.array([0, 4]), "sum", p, padding_idx=3).sum()
         mx.grad(bag, argnums=(0, 1))(mx.ones((10, 8)), mx.ones((9,)))
-        kernels.embedding_bag_sparse_rows(mx.ones((2, 8)), mx.ones((10, 8)), mx.arange(9), mx.array([0, 4, 9]), "max")
+        mx.grad(lambda w: kernels.embedding_bag(mx.arange(9), w, mx.array([0, 4]), "max").sum())(mx.ones((10, 8)))
+    return launches
 
 
 def probe_calls():
@@ -84,7 +97,7 @@ def probe_calls():
               "out[i] = a[i] * b + c[0] + a_shape[0] + a_strides[0] + a_ndim + c_ndim;")  # fmt: skip
     probes = []
     for atomic in (False, True):
-        kernel = runner.metal_kernel("probe", ["a", "b", "c"], ["out", "out2"], source, "// header\n",
+        kernel = emulation.metal_kernel("probe", ["a", "b", "c"], ["out", "out2"], source, "// header\n",
                                      atomic_outputs=atomic)  # fmt: skip
         for inputs, template in [
             ([mx.zeros((4,)), mx.array(2.0), mx.zeros((3,), mx.int64)], [("T", mx.float32), ("N", 3), ("F", True)]),
@@ -104,10 +117,10 @@ def probe_calls():
 
 
 def test_the_emulation_compiles_exactly_the_source_mlx_generates():
-    runner.recorded_calls.clear()
-    run_every_kernel()
-    recorded = {(call["name"], json.dumps(call["template"]), call["atomic_outputs"]): call
-                for call in runner.recorded_calls}  # fmt: skip
+    recorded = {}
+    for launch in run_every_kernel():
+        call = as_call(launch)
+        recorded[call["name"], json.dumps(call["template"]), call["atomic_outputs"]] = call
     calls = list(recorded.values()) + probe_calls()
     assert {call["name"] for call in calls} >= set(kernels.kernel_names())  # every kernel is covered
     for call, theirs in zip(calls, mlx_texts(calls), strict=True):

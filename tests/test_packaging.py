@@ -1,7 +1,9 @@
 """seqlib as a package: public API, optional dependencies, and a real wheel install."""
 
 import importlib
+import os
 import pkgutil
+import shutil
 import subprocess
 import sys
 import sysconfig
@@ -14,12 +16,41 @@ import seqlib
 
 ROOT = Path(__file__).resolve().parents[1]
 
+# Run in the scratch venv: lstm_cell.metal through the installed seqlib.emulation, against NumPy.
+EMULATED_LSTM_CELL = """
+import sys
+sys.path.append(sys.argv[1])
+import numpy as np
+import seqlib
+import mlx.core as mx
+from seqlib import emulation, kernels
+
+batch, hidden = 3, 70
+rng = np.random.default_rng(0)
+gates = rng.normal(size=(batch, 4 * hidden)).astype(np.float32)
+c_prev = rng.normal(size=(batch, hidden)).astype(np.float32)
+kernel = emulation.metal_kernel(
+    name="lstm_cell", input_names=["gates", "c_prev"], output_names=["h", "c", "activations", "tanh_c"],
+    source=kernels.kernel_source("lstm_cell"), header=kernels.kernel_header())
+h, c, activations, tanh_c = kernel(
+    inputs=[mx.array(gates), mx.array(c_prev)], template=[("T", mx.float32)],
+    output_shapes=[(batch, hidden), (batch, hidden), (batch, 4 * hidden), (batch, hidden)],
+    output_dtypes=[mx.float32] * 4, grid=(hidden, batch, 1), threadgroup=(64, 4, 1))
+
+sigmoid = lambda x: 1 / (1 + np.exp(-x.astype(np.float64)))
+i, f, g, o = np.split(gates, 4, axis=1)
+c_expected = sigmoid(f) * c_prev + sigmoid(i) * np.tanh(g)
+h_expected = sigmoid(o) * np.tanh(c_expected)
+print(emulation.runner.HEADER)
+print(np.abs(np.array(h) - h_expected).max(), np.abs(np.array(c) - c_expected).max())
+"""
+
 
 def test_version_and_public_api():
     assert seqlib.__version__.count(".") == 2
     for name in seqlib.__all__:
         assert getattr(seqlib, name) is not None, name
-    for module_name in ("seqlib.nn", "seqlib.functional", "seqlib.kernels"):
+    for module_name in ("seqlib.nn", "seqlib.functional", "seqlib.kernels", "seqlib.emulation"):
         module = importlib.import_module(module_name)
         for name in module.__all__:
             assert hasattr(module, name), f"{module_name}.{name}"
@@ -34,7 +65,11 @@ def test_import_loads_no_optional_dependency():
 
 @pytest.mark.slow
 def test_wheel_installs_and_finds_its_kernel_sources(tmp_path):
-    """Build a wheel, install it into a scratch venv, and load a .metal source from the install."""
+    """Build a wheel, install it into a scratch venv, load a .metal source from the install and run it
+    through the installed emulation."""
+    # setuptools copies modules into build/lib and never deletes one: a module since removed from the
+    # sources would still ship, so the build starts from an empty build folder.
+    shutil.rmtree(ROOT / "build", ignore_errors=True)
     build = subprocess.run(
         [sys.executable, "-m", "build", "--wheel", "--no-isolation", "--outdir", str(tmp_path / "dist"), str(ROOT)],
         capture_output=True, text=True,
@@ -66,3 +101,14 @@ def test_wheel_installs_and_finds_its_kernel_sources(tmp_path):
     assert int(length) > 100
     assert installed_kernels.split(",") == seqlib.kernels.kernel_names()  # every kernel and the shared header
     assert int(header_length) > 100
+
+    # The emulation ships with its C++ header and runs a kernel from the install (compiled afresh there).
+    emulated = subprocess.run(
+        [python, "-c", EMULATED_LSTM_CELL, deps], capture_output=True, text=True, cwd=tmp_path,
+        env={**os.environ, "SEQLIB_EMULATION_CACHE": str(tmp_path / "emulation-cache")},
+    )  # fmt: skip
+    assert emulated.returncode == 0, emulated.stderr[-3000:]
+    header_path, h_error, c_error = emulated.stdout.split()
+    assert header_path == str(Path(module_file).parent / "emulation" / "include" / "metal_emulation.h")
+    assert Path(header_path).is_file()
+    assert float(h_error) < 1e-6 and float(c_error) < 1e-6

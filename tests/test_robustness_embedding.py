@@ -34,8 +34,7 @@ import torch
 from hypothesis import event, given, settings
 from hypothesis import strategies as st
 from isolated import assert_clear_error, run_isolated
-from emulated import metal_backend
-from seqlib.emulation import runner
+from emulated import launch_count, metal_backend
 
 import seqlib
 from seqlib import functional as F
@@ -114,13 +113,13 @@ def seqlib_call(case: dict, backend: str = "ops"):
     checks refuse the call; the result is dropped and the module left unchanged.)
     """
     with _on(backend):
-        before = runner.launch_count
+        before = launch_count()
         try:
             result = _seqlib_op(case["op"], _arguments(case, "mlx"))
             mx.eval(result)
             return result
         except Exception as error:
-            if runner.launch_count != before and not case["op"][0].isupper():
+            if launch_count() != before and not case["op"][0].isupper():
                 raise AssertionError(f"a kernel was launched before the error {error!r}") from error
             raise
 

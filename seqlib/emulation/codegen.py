@@ -4,8 +4,9 @@
 signature itself: one parameter per input (plus ``<name>_shape``,
 ``<name>_strides``, ``<name>_ndim`` where the body mentions them), one per
 output, and one per special thread-position name the body mentions.  The
-emulation compiles this same text as C++, so it must be the same text:
-``test_metal_emulation_codegen.py`` diffs it against what MLX itself prints.
+emulation compiles this same text as C++, so it must be the same text (the
+test suite's ``test_metal_emulation_codegen.py`` diffs it against what MLX
+itself prints for every seqlib kernel and for probes of each rule below).
 
 Rules (read off MLX 0.32.4's output):
 - inputs with no dimensions are ``const constant T& name``; inputs with fewer
@@ -44,10 +45,14 @@ DTYPE_NAMES = {
     mx.float32: "float",
     mx.float16: "float16_t",
     mx.bfloat16: "bfloat16_t",
+    mx.int8: "int8_t",
+    mx.int16: "int16_t",
     mx.int32: "int32_t",
     mx.int64: "int64_t",
-    mx.uint32: "uint32_t",
     mx.uint8: "uint8_t",
+    mx.uint16: "uint16_t",
+    mx.uint32: "uint32_t",
+    mx.uint64: "uint64_t",
     mx.bool_: "bool",
 }
 
@@ -218,13 +223,13 @@ def emulation_source(
 {body}
 
 extern "C" int emu_launch(void** buffers, const unsigned* grid, const unsigned* group, int order,
-                          unsigned seed, char* message, int message_size) {{
+                          unsigned seed, emu::Instruments* instruments, char* message, int message_size) {{
   emu::Body body = [](const emu::ThreadIds& ids, void** buffers) {{
     (void)ids;
     {instance}(
       {joined});
   }};
   return emu::launch(body, buffers, grid, group, order, seed, {"true" if uses_fibers else "false"},
-                     message, message_size);
+                     instruments, message, message_size);
 }}
 """

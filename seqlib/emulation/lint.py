@@ -37,6 +37,15 @@ def _functions(code: str):
 
 
 def lint(text: str) -> list[str]:
+    """What in a kernel's text (body, header or MLX's generated source) the Metal compiler would reject.
+
+    Returns one line per problem, naming it (an empty list: nothing found).
+    It is a set of regular expressions, not a parser: it catches the usual
+    slips (``double``, ``std::``, variable-length arrays, recursion, pointer
+    parameters without an address space, address-space words used as names).
+    """
+    if not isinstance(text, str):
+        raise TypeError(f"text: expected a str, got {type(text).__name__}")
     code = strip_comments(text)
     problems = []
     if re.search(r"\bdouble\b", code):

@@ -1,17 +1,16 @@
-"""``metal_kernel``: a stand-in for ``mx.fast.metal_kernel`` that runs the kernel as C++ on the CPU.
+"""``metal_kernel``: ``mx.fast.metal_kernel``'s stand-in that runs the kernel as C++ on the CPU.
 
-It has the same call signature as MLX's kernel objects, so the tests hand it to
-``seqlib.kernels`` in place of MLX's factory and everything above the kernel
-(argument checks, launch geometry, custom VJPs, the modules) runs as on a Mac.
+Each call of a kernel:
 
-Each call:
 1. generates MLX's exact source text for the call (:mod:`.codegen`),
-2. compiles it with g++ against ``include/metal_emulation.h`` (cached by hash),
+2. compiles it with the host C++ compiler against ``include/metal_emulation.h``
+   (cached by a hash of the text, in memory and on disk),
 3. copies the inputs into buffers with guard zones before and after them
    (NaN for floats, huge values for integers, so stray reads show), pre-fills
    the outputs with NaN (or ``init_value``) and their guard zones with a marker,
-4. runs every threadgroup, its threads as fibers in the order set by
-   :func:`emulation` (forward, reverse or random), and
+4. runs every threadgroup, its threads as fibers, in the order set by
+   :func:`options` (forward, reverse or random), counting barriers, atomics
+   and SIMD collectives for :func:`record`, and
 5. checks that no output guard was touched, then returns MLX arrays.
 """
 
@@ -19,80 +18,179 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import functools
 import hashlib
 import os
+import shlex
+import shutil
 import subprocess
+import sys
 import tempfile
 import threading
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 import mlx.core as mx
 import numpy as np
 
-from . import codegen
+from seqlib.emulation import codegen
 
 INCLUDE_DIR = Path(__file__).resolve().parent / "include"
 HEADER = INCLUDE_DIR / "metal_emulation.h"
 COMPILE_FLAGS = ["-std=c++20", "-O1", "-fPIC", "-shared", "-w", "-fno-strict-aliasing"]
+COMPILER_ENV = "CXX"
+CACHE_ENV = "SEQLIB_EMULATION_CACHE"
 GUARD = 64  # elements of guard zone on each side of every buffer
-ORDERS = {"forward": 0, "reverse": 1, "random": 2}
+ORDERS = ("forward", "reverse", "random")
+SIMD_WIDTH = 32
 
 
 class EmulationError(RuntimeError):
-    """The kernel did something a GPU would not allow, or wrote outside its outputs."""
+    """The kernel did something a GPU would not allow, wrote outside its outputs, or did not compile."""
 
 
-@dataclass
-class Settings:
+class CompilerNotFoundError(RuntimeError):
+    """No C++ compiler to build the emulated kernels with (install one, or set ``CXX``)."""
+
+
+# ----------------------------------------------------------------- options
+
+
+@dataclass(frozen=True)
+class _Options:
     order: str = "forward"
     seed: int = 0
-    pad_grid: bool = False  # round the grid up to whole threadgroups (extra threads must do nothing)
+    pad_grid: bool = False
+    nan_fill: bool = True
+    guards: bool = True
+
+    def __post_init__(self):
+        if not isinstance(self.order, str) or self.order not in ORDERS:
+            raise ValueError(f"order: expected one of {list(ORDERS)}, got {self.order!r}")
+        if not isinstance(self.seed, int) or isinstance(self.seed, bool):
+            raise TypeError(f"seed: expected an int, got {type(self.seed).__name__}")
+        if not 0 <= self.seed < 2**32:
+            raise ValueError(f"seed: expected an int in [0, 2**32), got {self.seed}")
+        for name in ("pad_grid", "nan_fill", "guards"):
+            if not isinstance(getattr(self, name), bool):
+                raise TypeError(f"{name}: expected a bool, got {type(getattr(self, name)).__name__}")
 
 
-_settings = Settings()
-_compile_lock = threading.Lock()
-_libraries: dict[str, ctypes.CDLL] = {}
-launch_count = 0  # how many kernel launches ran (tests use it to prove the kernel path was taken)
-recorded_calls: list[dict] = []  # every call's arguments, for the test that diffs our text against MLX's
+_options = _Options()
 
 
 @contextlib.contextmanager
-def emulation(order: str = "forward", seed: int = 0, pad_grid: bool = False):
-    """Run emulated kernels with this thread order and grid padding inside the block."""
-    global _settings
-    if order not in ORDERS:
-        raise ValueError(f"order: expected one of {list(ORDERS)}, got {order!r}")
-    saved = _settings
-    _settings = Settings(order, seed, pad_grid)
+def options(
+    order: str = "forward", seed: int = 0, pad_grid: bool = False, nan_fill: bool = True, guards: bool = True
+) -> Iterator[None]:
+    """Run emulated kernels inside the block with these settings (the defaults apply outside any block).
+
+    Args:
+        order: the order in which threads run, within each threadgroup and
+            across threadgroups: ``"forward"`` (thread 0 first), ``"reverse"``
+            or ``"random"`` (a fresh shuffle at every scheduling pass).  A
+            kernel that reads another thread's result without a barrier
+            gives a different answer (usually NaN) under some order.
+        seed: seed of the ``"random"`` order, an int in [0, 2**32).
+        pad_grid: round the grid up to whole threadgroups, as a launcher that
+            dispatches whole groups would; the extra threads must write nothing.
+        nan_fill: where ``init_value`` is None, fill the outputs with NaN
+            (integers: a huge marker) before the launch, so an element no
+            thread writes shows; False fills them with zeros.
+        guards: put guard zones around every buffer: inputs' hold NaN (or a
+            huge integer) so that stray reads show, outputs' a marker that is
+            checked after the launch (a write outside an output raises
+            :class:`EmulationError`).  False: no guard zones, no check.
+
+    Blocks nest; the innermost one applies.
+    """
+    global _options
+    chosen = _Options(order, seed, pad_grid, nan_fill, guards)
+    saved = _options
+    _options = chosen
     try:
         yield
     finally:
-        _settings = saved
+        _options = saved
+
+
+# ----------------------------------------------------------------- the compiler
+
+
+def find_compiler() -> list[str]:
+    """The command that compiles the kernels: ``$CXX`` if set, else ``g++`` (Linux) or ``clang++`` (macOS),
+    then the other one, then ``c++``.
+
+    Raises:
+        CompilerNotFoundError: ``$CXX`` names a program that is not there, or no compiler was found.
+    """
+    requested = os.environ.get(COMPILER_ENV, "").strip()
+    if requested:
+        command = shlex.split(requested)
+        if shutil.which(command[0]) is None:
+            raise CompilerNotFoundError(
+                f"{COMPILER_ENV}={requested!r}: the C++ compiler {command[0]!r} was not found; install it, "
+                f"or set {COMPILER_ENV} to a C++20 compiler that exists (g++ or clang++)"
+            )
+        return command
+    candidates = ("clang++", "g++", "c++") if sys.platform == "darwin" else ("g++", "clang++", "c++")
+    for name in candidates:
+        if shutil.which(name) is not None:
+            return [name]
+    install = (
+        "on macOS: `xcode-select --install`"
+        if sys.platform == "darwin"
+        else "on Debian/Ubuntu: `sudo apt install g++`; on Fedora: `sudo dnf install gcc-c++`"
+    )
+    raise CompilerNotFoundError(
+        f"seqlib.emulation needs a C++ compiler to run Metal kernels on the CPU, and none of "
+        f"{', '.join(candidates)} was found on PATH.  Install one ({install}), or set {COMPILER_ENV} to its path."
+    )
 
 
 def cache_dir() -> Path:
-    folder = Path(os.environ.get("SEQLIB_EMULATION_CACHE", Path(tempfile.gettempdir()) / f"seqlib-emu-{os.getuid()}"))
+    """Where compiled kernels are kept: ``$SEQLIB_EMULATION_CACHE``, else a per-user folder in the temp dir."""
+    user = os.getuid() if hasattr(os, "getuid") else "user"
+    default = Path(tempfile.gettempdir()) / f"seqlib-emu-{user}"
+    folder = Path(os.environ.get(CACHE_ENV) or default)
     folder.mkdir(parents=True, exist_ok=True)
     return folder
 
 
+@functools.cache
+def _header_text() -> str:
+    return HEADER.read_text()
+
+
+_compile_lock = threading.Lock()
+_launch_lock = threading.Lock()
+_libraries: dict[str, ctypes.CDLL] = {}
+
+
 def compile_library(cpp: str) -> ctypes.CDLL:
-    """Compile one translation unit (cached on disk and in memory by the hash of its text)."""
-    key = hashlib.sha256((cpp + HEADER.read_text() + " ".join(COMPILE_FLAGS)).encode()).hexdigest()[:24]
+    """Compile one translation unit into a shared library, cached in memory and on disk by the hash of its
+    text, the header, the flags and ``$CXX``."""
+    requested = os.environ.get(COMPILER_ENV, "")
+    key_text = "\0".join([cpp, _header_text(), " ".join(COMPILE_FLAGS), requested])
+    key = hashlib.sha256(key_text.encode()).hexdigest()[:24]
     if key in _libraries:
         return _libraries[key]
     with _compile_lock:
         library_path = cache_dir() / f"{key}.so"
         if not library_path.exists():
+            compiler = find_compiler()
             source_path = cache_dir() / f"{key}.cpp"
             source_path.write_text(cpp)
             partial = library_path.with_suffix(f".{os.getpid()}.tmp")
-            command = ["g++", *COMPILE_FLAGS, f"-I{INCLUDE_DIR}", str(source_path), "-o", str(partial)]
+            command = [*compiler, *COMPILE_FLAGS, f"-I{INCLUDE_DIR}", str(source_path), "-o", str(partial)]
             result = subprocess.run(command, capture_output=True, text=True)
             if result.returncode != 0:
-                raise EmulationError(f"g++ rejected the kernel ({source_path}):\n{result.stderr[-4000:]}")
-            partial.rename(library_path)
+                output = (result.stderr or result.stdout)[-4000:]
+                raise EmulationError(
+                    f"the C++ compiler ({' '.join(compiler)}) rejected the kernel ({source_path}):\n{output}"
+                )
+            partial.replace(library_path)
         library = ctypes.CDLL(str(library_path))
         library.emu_launch.restype = ctypes.c_int
         _libraries[key] = library
@@ -100,6 +198,59 @@ def compile_library(cpp: str) -> ctypes.CDLL:
 
 
 # ----------------------------------------------------------------- buffers
+
+_NUMPY_DTYPES = {
+    mx.float32: np.float32,
+    mx.float16: np.float16,
+    mx.bfloat16: np.uint16,  # the bits
+    mx.int8: np.int8,
+    mx.int16: np.int16,
+    mx.int32: np.int32,
+    mx.int64: np.int64,
+    mx.uint8: np.uint8,
+    mx.uint16: np.uint16,
+    mx.uint32: np.uint32,
+    mx.uint64: np.uint64,
+    mx.bool_: np.bool_,
+}
+
+# What a stray read finds (and, with nan_fill, what an unwritten output holds): NaN or a huge integer.
+_POISON = {
+    mx.float32: np.nan,
+    mx.float16: np.nan,
+    mx.bfloat16: 0x7FC1,  # a NaN's bits
+    mx.int8: 2**6,
+    mx.int16: 2**14,
+    mx.int32: 2**30,
+    mx.int64: 2**40,
+    mx.uint8: 0xA5,
+    mx.uint16: 2**14,
+    mx.uint32: 2**30,
+    mx.uint64: 2**40,
+    mx.bool_: True,
+}
+
+# What an output's guard zones hold; any change means the kernel wrote out of bounds.
+_GUARD_MARKER = {
+    mx.float32: 1.5e4,
+    mx.float16: 1.5e4,
+    mx.bfloat16: 0x4A6A,  # 3.83e6
+    mx.int8: -99,
+    mx.int16: -12345,
+    mx.int32: -12345,
+    mx.int64: -12345,
+    mx.uint8: 0x5A,
+    mx.uint16: 0x5A5A,
+    mx.uint32: 0x5A,
+    mx.uint64: 0x5A,
+    mx.bool_: False,
+}
+
+
+def _check_dtype(what: str, dtype) -> None:
+    if dtype not in _NUMPY_DTYPES:
+        supported = ", ".join(str(d).split(".")[-1] for d in _NUMPY_DTYPES)
+        raise TypeError(f"{what}: the emulation supports {supported}; got {dtype}")
 
 
 def _to_numpy(array: mx.array) -> np.ndarray:
@@ -114,65 +265,267 @@ def _from_numpy(values: np.ndarray, dtype: mx.Dtype) -> mx.array:
     return mx.array(values)
 
 
-def _numpy_dtype(dtype: mx.Dtype):
-    return {
-        mx.float32: np.float32,
-        mx.float16: np.float16,
-        mx.bfloat16: np.uint16,
-        mx.int32: np.int32,
-        mx.int64: np.int64,
-        mx.uint32: np.uint32,
-        mx.uint8: np.uint8,
-        mx.bool_: np.bool_,
-    }[dtype]
-
-
-def _poison(dtype: mx.Dtype):
-    """What a stray read finds: NaN for floats, a huge index for integers."""
-    if dtype == mx.bfloat16:
-        return 0x7FC1
-    if mx.issubdtype(dtype, mx.floating):
-        return np.nan
-    if dtype == mx.bool_:
-        return True
-    return {mx.int32: 2**30, mx.int64: 2**40, mx.uint32: 2**30, mx.uint8: 0xA5}[dtype]
-
-
-def _guard_marker(dtype: mx.Dtype):
-    """What an output's guard zones hold; any change means the kernel wrote out of bounds."""
-    if dtype == mx.bfloat16:
-        return 0x4A6A  # 3.83e6 as bfloat16 bits
-    if mx.issubdtype(dtype, mx.floating):
-        return 1.5e4
-    return False if dtype == mx.bool_ else -12345 if dtype != mx.uint32 and dtype != mx.uint8 else 0x5A
-
-
 class _Buffer:
-    """Values with a guard zone of GUARD elements on both sides."""
+    """Values with a guard zone of ``guard`` elements on both sides."""
 
-    def __init__(self, values: np.ndarray, guard_value):
+    def __init__(self, values: np.ndarray, guard_value, guard: int):
         flat = np.ascontiguousarray(values).reshape(-1)
         self.size = flat.size
-        self.storage = np.full(flat.size + 2 * GUARD, guard_value, dtype=flat.dtype)
-        self.storage[GUARD:GUARD + flat.size] = flat
-        self.guards = np.concatenate([self.storage[:GUARD], self.storage[GUARD + flat.size:]]).copy()
+        self.guard = guard
+        self.storage = np.full(flat.size + 2 * guard, guard_value, dtype=flat.dtype)
+        self.storage[guard : guard + flat.size] = flat
+        self.guards = self._guard_bytes()
+
+    def _guard_bytes(self) -> bytes:
+        return self.storage[: self.guard].tobytes() + self.storage[self.guard + self.size :].tobytes()
 
     @property
     def pointer(self) -> int:
-        return self.storage.ctypes.data + GUARD * self.storage.itemsize
+        return self.storage.ctypes.data + self.guard * self.storage.itemsize
 
     @property
     def values(self) -> np.ndarray:
-        return self.storage[GUARD:GUARD + self.size]
+        return self.storage[self.guard : self.guard + self.size]
 
     def guards_intact(self) -> bool:
-        now = np.concatenate([self.storage[:GUARD], self.storage[GUARD + self.size:]])
-        return now.tobytes() == self.guards.tobytes()
+        return self._guard_bytes() == self.guards
+
+
+# ----------------------------------------------------------------- instruments and records
+
+
+class _Instruments(ctypes.Structure):
+    """Mirror of ``emu::Instruments`` in metal_emulation.h (same fields, same order)."""
+
+    _fields_ = [
+        ("barriers", ctypes.c_uint64),
+        ("barrier_waits", ctypes.c_uint64),
+        ("atomics", ctypes.c_uint64),
+        ("simd_collectives", ctypes.c_uint64),
+        ("thread_barriers", ctypes.c_void_p),
+        ("thread_atomics", ctypes.c_void_p),
+        ("thread_simd", ctypes.c_void_p),
+        ("thread_writes", ctypes.c_void_p),
+        ("output_count", ctypes.c_int32),
+        ("outputs", ctypes.POINTER(ctypes.c_void_p)),
+        ("shadows", ctypes.POINTER(ctypes.c_void_p)),
+        ("output_bytes", ctypes.POINTER(ctypes.c_uint64)),
+        ("element_bytes", ctypes.POINTER(ctypes.c_uint32)),
+        ("writers", ctypes.POINTER(ctypes.c_void_p)),
+    ]
+
+
+@dataclass(frozen=True, eq=False)
+class Launch:
+    """What one emulated kernel call did, as recorded by :func:`record`.
+
+    The call (what was passed to :func:`metal_kernel` and to the kernel):
+    ``name``, ``input_names``, ``output_names``, ``source``, ``header``,
+    ``atomic_outputs``, ``input_shapes``, ``input_dtypes``, ``output_shapes``,
+    ``output_dtypes``, ``template`` (None or the list of ``(name, value)``),
+    ``init_value``; ``text`` is the source MLX generates for it (what
+    ``verbose=True`` prints).
+
+    The launch: ``grid`` (threads along x, y, z: the call's grid, rounded up to
+    whole threadgroups under ``options(pad_grid=True)``), ``threadgroup`` (as
+    MLX clamps it, ``min(threadgroup, grid)`` per axis), ``threadgroups`` (how
+    many groups ran) and ``threads`` (how many threads ran, ``gx * gy * gz``).
+
+    Totals: ``barriers`` (barrier releases: rendezvous of a whole threadgroup
+    at a ``threadgroup_barrier``, summed over groups), ``barrier_waits``
+    (arrivals: one per thread per barrier, so ``barriers * threads per group``
+    when every group is full), ``atomics`` (atomic operations executed, on
+    device or threadgroup memory) and ``simd_collectives`` (``simd_sum``,
+    ``simd_shuffle``... completed: one per SIMD group per call).
+
+    Per thread, arrays of shape ``(gz, gy, gx)`` indexed ``[z, y, x]`` by the
+    thread's position in the grid (uint32): ``thread_barriers`` (barriers it
+    reached), ``thread_atomics`` (atomic operations it executed),
+    ``thread_simd_collectives`` (collectives it took part in) and, with
+    ``record(writers=True)`` only, ``thread_writes`` (output elements it changed).
+
+    ``writers`` (``record(writers=True)`` only, else None): for each output
+    name, an int64 array of the output's shape holding the linear grid index
+    ``x + gx * (y + gy * z)`` of the thread that last *changed* the element
+    (-1: no thread did; writing the value already there is invisible).
+    :meth:`writer_threadgroup`, :meth:`writer_simdgroup` and
+    :meth:`writer_lane` turn it into the writer's threadgroup, SIMD group and lane.
+    """
+
+    name: str
+    input_names: tuple[str, ...]
+    output_names: tuple[str, ...]
+    source: str
+    header: str
+    atomic_outputs: bool
+    input_shapes: tuple[tuple[int, ...], ...]
+    input_dtypes: tuple[mx.Dtype, ...]
+    output_shapes: tuple[tuple[int, ...], ...]
+    output_dtypes: tuple[mx.Dtype, ...]
+    template: list | None
+    init_value: float | None
+    text: str
+    grid: tuple[int, int, int]
+    threadgroup: tuple[int, int, int]
+    threadgroups: int
+    threads: int
+    barriers: int
+    barrier_waits: int
+    atomics: int
+    simd_collectives: int
+    thread_barriers: np.ndarray
+    thread_atomics: np.ndarray
+    thread_simd_collectives: np.ndarray
+    thread_writes: np.ndarray | None
+    writers: dict[str, np.ndarray] | None
+
+    def _writer_positions(self, output: str):
+        """For each element of ``output``: whether some thread wrote it, and its writer's threadgroup position,
+        position inside that group and the group's actual size (edge groups are partial), each ``(x, y, z)``."""
+        if self.writers is None:
+            raise ValueError("writers were not recorded: use seqlib.emulation.record(writers=True)")
+        if output not in self.writers:
+            raise ValueError(f"output: expected one of {list(self.writers)}, got {output!r}")
+        writer = self.writers[output]
+        written = writer >= 0
+        grid = [max(size, 1) for size in self.grid]
+        group = [max(size, 1) for size in self.threadgroup]
+        index = np.where(written, writer, 0)
+        position = (index % grid[0], index // grid[0] % grid[1], index // (grid[0] * grid[1]))
+        group_position = [p // g for p, g in zip(position, group, strict=True)]
+        inside = [p - q * g for p, q, g in zip(position, group_position, group, strict=True)]
+        actual = [np.minimum(g, n - q * g) for q, g, n in zip(group_position, group, grid, strict=True)]
+        return written, group_position, inside, actual
+
+    def writer_threadgroup(self, output: str) -> np.ndarray:
+        """For each element of ``output``: the linear index ``gx + ngx * (gy + ngy * gz)`` of the threadgroup
+        (at position ``(gx, gy, gz)`` in a grid of ``ngx * ngy * ngz`` groups) whose thread last changed it; -1
+        where none did."""
+        written, group_position, _, _ = self._writer_positions(output)
+        groups = [-(-max(n, 1) // max(g, 1)) for n, g in zip(self.grid, self.threadgroup, strict=True)]
+        linear = group_position[0] + groups[0] * (group_position[1] + groups[1] * group_position[2])
+        return np.where(written, linear, -1)
+
+    def _writer_index_in_threadgroup(self, output: str):
+        written, _, inside, actual = self._writer_positions(output)
+        return written, inside[0] + actual[0] * (inside[1] + actual[1] * inside[2])
+
+    def writer_simdgroup(self, output: str) -> np.ndarray:
+        """For each element of ``output``: the writer's ``simdgroup_index_in_threadgroup``
+        (``thread_index_in_threadgroup // 32``); -1 where no thread changed it."""
+        written, index = self._writer_index_in_threadgroup(output)
+        return np.where(written, index // SIMD_WIDTH, -1)
+
+    def writer_lane(self, output: str) -> np.ndarray:
+        """For each element of ``output``: the writer's ``thread_index_in_simdgroup``
+        (``thread_index_in_threadgroup % 32``); -1 where no thread changed it."""
+        written, index = self._writer_index_in_threadgroup(output)
+        return np.where(written, index % SIMD_WIDTH, -1)
+
+
+_recorders: list[tuple[list[Launch], bool]] = []  # the open record() blocks, innermost last
+_launches = 0
+
+
+@contextlib.contextmanager
+def record(writers: bool = False) -> Iterator[list[Launch]]:
+    """Record every emulated kernel call made inside the block.
+
+    Yields a list that receives one :class:`Launch` per call, in call order:
+    the call's arguments and generated text, the launch geometry, counts of
+    barriers, atomics and SIMD collectives (in total and per thread).
+
+    Args:
+        writers: also find out which thread last changed each output element
+            (``Launch.writers``, ``Launch.thread_writes``).  This compares every
+            output with a copy after each slice of each thread's execution, so
+            it costs ``O(threads * output bytes)``: keep the outputs small.
+
+    Example::
+
+        with seqlib.emulation.record(writers=True) as launches:
+            out = kernel(inputs=[a], ...)[0]
+        launches[0].barriers, launches[0].writer_lane("out")
+    """
+    if not isinstance(writers, bool):
+        raise TypeError(f"writers: expected a bool, got {type(writers).__name__}")
+    entry: tuple[list[Launch], bool] = ([], writers)
+    _recorders.append(entry)
+    try:
+        yield entry[0]
+    finally:
+        _recorders[:] = [other for other in _recorders if other is not entry]
+
+
+def launch_count() -> int:
+    """How many kernels the emulation has launched in this process (failed launches included)."""
+    return _launches
+
+
+class _Recording:
+    """The per-thread counters and writer arrays handed to one launch."""
+
+    def __init__(self, grid: list[int], outputs: list[_Buffer], output_shapes, writers: bool):
+        shape = (grid[2], grid[1], grid[0])
+        self.thread_barriers = np.zeros(shape, np.uint32)
+        self.thread_atomics = np.zeros(shape, np.uint32)
+        self.thread_simd = np.zeros(shape, np.uint32)
+        self.thread_writes = np.zeros(shape, np.uint32) if writers else None
+        self.outputs = outputs if writers else []
+        self.shadows = [buffer.values.copy() for buffer in self.outputs]
+        self.writers = [np.full(buffer.size, -1, np.int64) for buffer in self.outputs]
+        self.output_shapes = output_shapes
+
+    def fill(self, instruments: _Instruments) -> list:
+        """Point ``instruments`` at these arrays; returns the ctypes arrays that must outlive the launch."""
+        instruments.thread_barriers = self.thread_barriers.ctypes.data
+        instruments.thread_atomics = self.thread_atomics.ctypes.data
+        instruments.thread_simd = self.thread_simd.ctypes.data
+        if self.thread_writes is None:
+            return []
+        count = len(self.outputs)
+        held = [
+            (ctypes.c_void_p * count)(*[buffer.pointer for buffer in self.outputs]),
+            (ctypes.c_void_p * count)(*[shadow.ctypes.data for shadow in self.shadows]),
+            (ctypes.c_uint64 * count)(*[buffer.values.nbytes for buffer in self.outputs]),
+            (ctypes.c_uint32 * count)(*[buffer.values.itemsize for buffer in self.outputs]),
+            (ctypes.c_void_p * count)(*[writer.ctypes.data for writer in self.writers]),
+        ]
+        instruments.thread_writes = self.thread_writes.ctypes.data
+        instruments.output_count = count
+        instruments.outputs = ctypes.cast(held[0], ctypes.POINTER(ctypes.c_void_p))
+        instruments.shadows = ctypes.cast(held[1], ctypes.POINTER(ctypes.c_void_p))
+        instruments.output_bytes = ctypes.cast(held[2], ctypes.POINTER(ctypes.c_uint64))
+        instruments.element_bytes = ctypes.cast(held[3], ctypes.POINTER(ctypes.c_uint32))
+        instruments.writers = ctypes.cast(held[4], ctypes.POINTER(ctypes.c_void_p))
+        return held
+
+    def writer_arrays(self, output_names) -> dict[str, np.ndarray] | None:
+        if self.thread_writes is None:
+            return None
+        return {
+            name: writer.reshape(shape)
+            for name, writer, shape in zip(output_names, self.writers, self.output_shapes, strict=True)
+        }
+
+
+# ----------------------------------------------------------------- the kernel
+
+
+def _three_ints(name: str, value, minimum: int) -> list[int]:
+    if not isinstance(value, (tuple, list)) or len(value) != 3:
+        raise ValueError(f"{name}: expected 3 ints (x, y, z), got {value!r}")
+    if not all(isinstance(v, (int, np.integer)) and not isinstance(v, bool) for v in value):
+        raise TypeError(f"{name}: expected 3 ints (x, y, z), got {value!r}")
+    if any(v < minimum for v in value):
+        raise ValueError(f"{name}: expected 3 ints >= {minimum}, got {tuple(value)}")
+    return [int(v) for v in value]
 
 
 class EmulatedKernel:
-    def __init__(self, name, input_names, output_names, source, header="", ensure_row_contiguous=True,
-                 atomic_outputs=False):  # fmt: skip
+    """A kernel made by :func:`metal_kernel`; call it exactly like a kernel made by ``mx.fast.metal_kernel``."""
+
+    def __init__(self, name, input_names, output_names, source, header, atomic_outputs):
         self.name = name
         self.input_names = list(input_names)
         self.output_names = list(output_names)
@@ -180,13 +533,14 @@ class EmulatedKernel:
         self.header = header
         self.atomic_outputs = atomic_outputs
         self.uses_fibers = any(word in source + header for word in ("barrier", "simd_"))
+        self._compiled: dict[tuple, ctypes.CDLL] = {}
 
     def text(self, inputs, output_dtypes, template=None) -> str:
-        """MLX's generated source for these inputs (what ``verbose=True`` prints)."""
-        specs = self._specs(inputs)
+        """MLX's generated source for a call with these inputs (what ``verbose=True`` prints)."""
+        inputs = [value if isinstance(value, mx.array) else mx.array(value) for value in inputs]
         return codegen.kernel_text(
-            self.name, self.source, self.header, specs, self.output_names, list(output_dtypes), template,
-            self.atomic_outputs,
+            self.name, self.source, self.header, self._specs(inputs), self.output_names, list(output_dtypes),
+            template, self.atomic_outputs,
         )  # fmt: skip
 
     def _specs(self, inputs) -> list[codegen.InputSpec]:
@@ -195,72 +549,128 @@ class EmulatedKernel:
             for name, array in zip(self.input_names, inputs, strict=True)
         ]
 
-    def __call__(self, inputs, output_shapes, output_dtypes, grid, threadgroup, template=None, init_value=None,
-                 verbose=False, stream=None):  # fmt: skip
-        global launch_count
-        if len(inputs) != len(self.input_names):
-            raise ValueError(f"{self.name}: expected {len(self.input_names)} inputs, got {len(inputs)}")
-        inputs = [mx.array(value) if not isinstance(value, mx.array) else value for value in inputs]
-        output_dtypes = list(output_dtypes)
-        specs = self._specs(inputs)
-        text = self.text(inputs, output_dtypes, template)
-        if verbose:
-            print(f"Generated source code for `{self.name}`:\n```\n{text}\n```")
+    def _library(self, text, specs, output_dtypes, template, kinds) -> ctypes.CDLL:
+        """The compiled launcher for this text and these parameter kinds (cached on the kernel)."""
+        key = (text, tuple(kinds), os.environ.get(COMPILER_ENV, ""))
+        if key not in self._compiled:
+            function = codegen.function_name(self.name, specs, output_dtypes, template)
+            attributes = codegen.used_attributes(self.source)
+            cpp = codegen.emulation_source(text, function, template, kinds, attributes, self.uses_fibers)
+            self._compiled[key] = compile_library(cpp)
+        return self._compiled[key]
 
+    def _check_call(self, inputs, output_shapes, output_dtypes):
+        if len(inputs) != len(self.input_names):
+            raise ValueError(
+                f"inputs: kernel {self.name!r} takes {len(self.input_names)} ({', '.join(self.input_names)}), "
+                f"got {len(inputs)}"
+            )
+        for what, given in (("output_shapes", output_shapes), ("output_dtypes", output_dtypes)):
+            if len(given) != len(self.output_names):
+                raise ValueError(
+                    f"{what}: kernel {self.name!r} has {len(self.output_names)} outputs "
+                    f"({', '.join(self.output_names)}), got {len(given)}"
+                )
+        for name, array in zip(self.input_names, inputs, strict=True):
+            _check_dtype(f"input {name!r}", array.dtype)
+        for name, dtype in zip(self.output_names, output_dtypes, strict=True):
+            _check_dtype(f"output_dtypes ({name!r})", dtype)
+
+    def _input_buffers(self, inputs, specs, guard: int) -> tuple[list[_Buffer], list[tuple[str, str]]]:
+        """Each input's buffer, followed by its shape, strides and ndim where the body names them, with the
+        (C type, "pointer" or "reference") of each parameter."""
         buffers, kinds = [], []
         for spec, array in zip(specs, inputs, strict=True):
-            buffers.append(_Buffer(_to_numpy(array), _poison(array.dtype)))
+            buffers.append(_Buffer(_to_numpy(array), _POISON[array.dtype], guard))
             kinds.append((f"const {codegen.DTYPE_NAMES[array.dtype]}", "reference" if spec.is_scalar else "pointer"))
-            if spec.ndim > 0:
-                uses_shape, uses_strides, uses_ndim = codegen.shape_uses(self.source, spec.name)
-                if uses_shape:
-                    buffers.append(_Buffer(np.array(array.shape, np.int32), 2**30))
-                    kinds.append(("const int", "pointer"))
-                if uses_strides:
-                    strides = np.cumprod([*array.shape[1:], 1][::-1])[::-1].astype(np.int64)
-                    buffers.append(_Buffer(strides, 2**40))
-                    kinds.append(("const int64_t", "pointer"))
-                if uses_ndim:
-                    buffers.append(_Buffer(np.array([array.ndim], np.int32), 2**30))
-                    kinds.append(("const int", "reference"))
-        outputs = []
+            if spec.ndim == 0:
+                continue
+            uses_shape, uses_strides, uses_ndim = codegen.shape_uses(self.source, spec.name)
+            if uses_shape:
+                buffers.append(_Buffer(np.array(array.shape, np.int32), _POISON[mx.int32], guard))
+                kinds.append(("const int", "pointer"))
+            if uses_strides:  # always row-contiguous: the inputs were copied so
+                strides = np.cumprod([*array.shape[1:], 1][::-1])[::-1].astype(np.int64)
+                buffers.append(_Buffer(strides, _POISON[mx.int64], guard))
+                kinds.append(("const int64_t", "pointer"))
+            if uses_ndim:
+                buffers.append(_Buffer(np.array([array.ndim], np.int32), _POISON[mx.int32], guard))
+                kinds.append(("const int", "reference"))
+        return buffers, kinds
+
+    def _output_buffers(self, output_shapes, output_dtypes, init_value, settings: _Options, guard: int):
+        buffers, kinds = [], []
         for shape, dtype in zip(output_shapes, output_dtypes, strict=True):
-            fill = _poison(dtype) if init_value is None else init_value
-            values = np.full(int(np.prod(shape, dtype=np.int64)), fill, dtype=_numpy_dtype(dtype))
-            outputs.append(_Buffer(values, _guard_marker(dtype)))
+            if init_value is not None:
+                fill = init_value
+            else:
+                fill = _POISON[dtype] if settings.nan_fill else 0
+            values = np.full(int(np.prod(shape, dtype=np.int64)), fill, dtype=_NUMPY_DTYPES[dtype])
+            buffers.append(_Buffer(values, _GUARD_MARKER[dtype], guard))
             c_type = codegen.DTYPE_NAMES[dtype]
             kinds.append((f"atomic<{c_type}>" if self.atomic_outputs else c_type, "pointer"))
-        buffers += outputs
+        return buffers, kinds
 
-        function = codegen.function_name(self.name, specs, output_dtypes, template)
-        attributes = codegen.used_attributes(self.source)
-        cpp = codegen.emulation_source(text, function, template, kinds, attributes, self.uses_fibers)
-        library = compile_library(cpp)
+    def __call__(
+        self,
+        *,
+        inputs,
+        output_shapes,
+        output_dtypes,
+        grid,
+        threadgroup,
+        template=None,
+        init_value=None,
+        verbose=False,
+        stream=None,
+    ) -> list[mx.array]:
+        """Run the kernel on the CPU; same arguments and result as a kernel from ``mx.fast.metal_kernel``.
 
-        grid = [int(g) for g in grid]
-        group = [min(int(t), g) for t, g in zip(threadgroup, grid, strict=True)]
-        if _settings.pad_grid:
-            grid = [-(-g // t) * t if t else g for g, t in zip(grid, group, strict=True)]
-        pointers = (ctypes.c_void_p * len(buffers))(*[buffer.pointer for buffer in buffers])
-        grid_array = (ctypes.c_uint * 3)(*grid)
-        group_array = (ctypes.c_uint * 3)(*group)
-        message = ctypes.create_string_buffer(512)
-        status = library.emu_launch(
-            pointers, grid_array, group_array, ORDERS[_settings.order], ctypes.c_uint(_settings.seed),
-            message, ctypes.c_int(512),
+        ``stream`` is accepted and ignored (everything runs on the CPU, now).
+        Raises :class:`EmulationError` if the kernel does not compile, fails
+        in a way a GPU would not allow (a barrier some threads skip,
+        divergent SIMD collectives, more than 32 KB of threadgroup memory, a
+        memory fault) or writes outside an output.
+        """
+        settings = _options
+        inputs = [value if isinstance(value, mx.array) else mx.array(value) for value in inputs]
+        output_shapes = [tuple(int(size) for size in shape) for shape in output_shapes]
+        output_dtypes = list(output_dtypes)
+        self._check_call(inputs, output_shapes, output_dtypes)
+        grid = _three_ints("grid", grid, 0)
+        threadgroup = _three_ints("threadgroup", threadgroup, 1)
+
+        specs = self._specs(inputs)
+        text = codegen.kernel_text(
+            self.name, self.source, self.header, specs, self.output_names, output_dtypes, template,
+            self.atomic_outputs,
         )  # fmt: skip
-        launch_count += 1
-        recorded_calls.append({
-            "name": self.name, "input_names": self.input_names, "output_names": self.output_names,
-            "source": self.source, "header": self.header, "atomic_outputs": self.atomic_outputs,
-            "inputs": [(tuple(a.shape), str(a.dtype)) for a in inputs],
-            "template": [(key, v if isinstance(v, (bool, int)) else str(v)) for key, v in template or []],
-            "output_shapes": [tuple(shape) for shape in output_shapes],
-            "output_dtypes": [str(dtype) for dtype in output_dtypes], "text": text,
-        })  # fmt: skip
-        del recorded_calls[:-500]
+        if verbose:
+            print(f"Generated source code for `{self.name}`:\n```\n{text}\n```", flush=True)
+
+        guard = GUARD if settings.guards else 0
+        buffers, kinds = self._input_buffers(inputs, specs, guard)
+        outputs, output_kinds = self._output_buffers(output_shapes, output_dtypes, init_value, settings, guard)
+        buffers, kinds = buffers + outputs, kinds + output_kinds
+
+        library = self._library(text, specs, output_dtypes, template, kinds)
+
+        group = [min(t, g) for t, g in zip(threadgroup, grid, strict=True)]  # as MLX clamps it
+        if settings.pad_grid:
+            grid = [-(-g // t) * t if t else g for g, t in zip(grid, group, strict=True)]
+        recorders = list(_recorders)
+        recording = None
+        if recorders:
+            recording = _Recording(grid, outputs, output_shapes, any(writers for _, writers in recorders))
+        status, message, instruments = self._launch(library, buffers, grid, group, settings, recording)
+
+        if recorders:
+            launch = self._record(inputs, output_shapes, output_dtypes, template, init_value, text, grid, group,
+                                  instruments, recording)  # fmt: skip
+            for launches, _ in recorders:
+                launches.append(launch)
         if status != 0:
-            raise EmulationError(f"{self.name}: {message.value.decode()}")
+            raise EmulationError(f"{self.name}: {message}")
         for name, buffer in zip(self.output_names, outputs, strict=True):
             if not buffer.guards_intact():
                 raise EmulationError(f"{self.name}: the kernel wrote outside output {name!r}")
@@ -269,8 +679,104 @@ class EmulatedKernel:
             for buffer, shape, dtype in zip(outputs, output_shapes, output_dtypes, strict=True)
         ]
 
+    @staticmethod
+    def _launch(library, buffers, grid, group, settings: _Options, recording: _Recording | None):
+        global _launches
+        pointers = (ctypes.c_void_p * len(buffers))(*[buffer.pointer for buffer in buffers])
+        instruments = _Instruments()
+        held = recording.fill(instruments) if recording is not None else []
+        message = ctypes.create_string_buffer(512)
+        with _launch_lock:
+            status = library.emu_launch(
+                pointers, (ctypes.c_uint * 3)(*grid), (ctypes.c_uint * 3)(*group), ORDERS.index(settings.order),
+                ctypes.c_uint(settings.seed), ctypes.byref(instruments), message, ctypes.c_int(len(message)),
+            )  # fmt: skip
+            _launches += 1
+        del held
+        return status, message.value.decode(errors="replace"), instruments
 
-def metal_kernel(name, input_names, output_names, source, header="", ensure_row_contiguous=True,
-                 atomic_outputs=False, **_ignored) -> EmulatedKernel:  # fmt: skip
-    """Same arguments as ``mx.fast.metal_kernel``."""
-    return EmulatedKernel(name, input_names, output_names, source, header, ensure_row_contiguous, atomic_outputs)
+    def _record(self, inputs, output_shapes, output_dtypes, template, init_value, text, grid, group,
+                instruments: _Instruments, recording: _Recording) -> Launch:  # fmt: skip
+        groups = [-(-g // t) if t else 0 for g, t in zip(grid, group, strict=True)]
+        return Launch(
+            name=self.name,
+            input_names=tuple(self.input_names),
+            output_names=tuple(self.output_names),
+            source=self.source,
+            header=self.header,
+            atomic_outputs=self.atomic_outputs,
+            input_shapes=tuple(tuple(array.shape) for array in inputs),
+            input_dtypes=tuple(array.dtype for array in inputs),
+            output_shapes=tuple(output_shapes),
+            output_dtypes=tuple(output_dtypes),
+            template=list(template) if template else None,
+            init_value=init_value,
+            text=text,
+            grid=(grid[0], grid[1], grid[2]),
+            threadgroup=(group[0], group[1], group[2]),
+            threadgroups=int(np.prod(groups)),
+            threads=int(np.prod(grid)),
+            barriers=instruments.barriers,
+            barrier_waits=instruments.barrier_waits,
+            atomics=instruments.atomics,
+            simd_collectives=instruments.simd_collectives,
+            thread_barriers=recording.thread_barriers,
+            thread_atomics=recording.thread_atomics,
+            thread_simd_collectives=recording.thread_simd,
+            thread_writes=recording.thread_writes,
+            writers=recording.writer_arrays(self.output_names),
+        )
+
+
+def metal_kernel(
+    name: str,
+    input_names,
+    output_names,
+    source: str,
+    header: str = "",
+    ensure_row_contiguous: bool = True,
+    atomic_outputs: bool = False,
+    compile_options=None,
+) -> EmulatedKernel:
+    """A Metal kernel that runs on the CPU: same arguments as ``mx.fast.metal_kernel``, same call.
+
+    ``source`` is the kernel's *body*; MLX's signature is generated around it
+    (one parameter per input and output, ``<input>_shape`` / ``_strides`` /
+    ``_ndim`` where the body names them, one per thread-position attribute
+    the body names) and the whole text is compiled as C++ with the host
+    compiler (``$CXX``, else ``g++`` on Linux or ``clang++`` on macOS) the
+    first time a call needs it, then cached by its text.
+
+    Args:
+        name: the kernel's name (it names the generated function).
+        input_names: the parameter names of the inputs, in call order.
+        output_names: the parameter names of the outputs.
+        source: the body of the kernel, in the Metal Shading Language.
+        header: text put before the kernel (helper functions).
+        ensure_row_contiguous: accepted for compatibility; the emulation
+            always copies the inputs row-contiguous.
+        atomic_outputs: declare the outputs ``device atomic<T>*``.
+        compile_options: accepted for compatibility (None or a dict such as
+            ``{"math_mode": "fast"}``); the emulation computes in IEEE
+            float whatever the math mode.
+
+    Returns:
+        A kernel called as ``kernel(inputs=[...], output_shapes=[...],
+        output_dtypes=[...], grid=(x, y, z), threadgroup=(x, y, z),
+        template=None, init_value=None, verbose=False, stream=None)``,
+        which returns the list of outputs.  :func:`options` sets how it runs
+        (thread order, fills, guards), :func:`record` what it reports.
+    """
+    if not isinstance(name, str) or not name:
+        raise TypeError(f"name: expected a non-empty str, got {name!r}")
+    for what, names in (("input_names", input_names), ("output_names", output_names)):
+        if isinstance(names, str) or not all(isinstance(item, str) for item in names):
+            raise TypeError(f"{what}: expected a sequence of str, got {names!r}")
+    if not output_names:
+        raise ValueError("output_names: a kernel needs at least one output")
+    for what, text in (("source", source), ("header", header)):
+        if not isinstance(text, str):
+            raise TypeError(f"{what}: expected a str, got {type(text).__name__}")
+    if compile_options is not None and not isinstance(compile_options, dict):
+        raise TypeError(f"compile_options: expected None or a dict, got {type(compile_options).__name__}")
+    return EmulatedKernel(name, input_names, output_names, source, header, bool(atomic_outputs))

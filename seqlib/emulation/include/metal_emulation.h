@@ -1,5 +1,7 @@
 // metal_emulation.h: just enough of the Metal Shading Language (MSL) to compile
-// seqlib's kernel bodies as C++ and run them on a CPU, from pytest.
+// a kernel body written for mx.fast.metal_kernel as C++ and run it on a CPU.
+// seqlib.emulation compiles MLX's generated text for each call against this
+// header (see runner.py and codegen.py).
 //
 // MSL is C++14 with address-space qualifiers, vector types, a math library and
 // GPU execution rules.  This header supplies:
@@ -13,9 +15,13 @@
 //     A thread runs until it reaches a barrier or a SIMD collective, then the
 //     next one runs.  A barrier releases only when every thread of the group
 //     has arrived; a collective only when every live lane of its 32-wide SIMD
-//     group has.  The order in which ready threads run is forward, reverse or
-//     random, so a kernel that reads another thread's threadgroup memory
-//     without a barrier reads the NaN fill under some order and fails.
+//     group has.  The order in which ready threads run (and the order of the
+//     threadgroups) is forward, reverse or random, so a kernel that reads
+//     another thread's threadgroup memory without a barrier reads the NaN fill
+//     under some order and fails;
+//   - instruments (emu::Instruments): counts of barrier releases and arrivals,
+//     atomic operations and SIMD collectives, in total and per thread, and,
+//     when asked, which thread last changed each element of each output.
 //
 // Threadgroups run one after another; a group at the edge of the grid has
 // only the threads that lie inside the grid (Metal's non-uniform threadgroups),
@@ -25,6 +31,11 @@
 // ordering between threadgroups, fast-math precision, register pressure, the
 // speed of anything, and Metal's compile-time rejections (see lint.py).
 #pragma once
+
+// Fibers switch with _setjmp/_longjmp between their own stacks, which the
+// fortified longjmp of some distributions (Ubuntu's default -D_FORTIFY_SOURCE)
+// mistakes for a jump into a dead frame.  This header comes first in the unit.
+#undef _FORTIFY_SOURCE
 
 #if defined(__APPLE__) && !defined(_XOPEN_SOURCE)
 #define _XOPEN_SOURCE 700  // macOS hides ucontext behind this (the workflow runs the emulation there too)
@@ -96,13 +107,40 @@ constexpr size_t kThreadgroupMemoryLimit = 32768;  // bytes, as on Apple GPUs
 constexpr size_t kStackSize = 128 * 1024;
 constexpr int kMaxDeclarations = 64;
 constexpr int kSlotBytes = 16;
+constexpr size_t kCompareChunk = 256;  // bytes compared at once when attributing writes
 
 typedef void (*Body)(const ThreadIds&, void**);
 
+// What a launch counts, filled in for the caller (runner.py mirrors this layout
+// with ctypes).  Per-thread arrays are indexed by the thread's linear position
+// in the grid, x + gx * (y + gy * z); a null pointer means "not recorded".
+struct Instruments {
+  uint64_t barriers;          // barrier releases (one per rendezvous of a whole group)
+  uint64_t barrier_waits;     // arrivals at a barrier, one per thread per barrier
+  uint64_t atomics;           // atomic operations executed
+  uint64_t simd_collectives;  // SIMD-group collectives completed (one per SIMD group per call)
+  uint32_t* thread_barriers;  // per thread: barriers reached
+  uint32_t* thread_atomics;   // per thread: atomic operations executed
+  uint32_t* thread_simd;      // per thread: SIMD collectives called
+  uint32_t* thread_writes;    // per thread: output elements changed (needs writer attribution)
+  // Writer attribution (output_count == 0: off).  After each slice of a
+  // thread's execution, every output is compared with its shadow copy; each
+  // element that changed is credited to that thread.
+  int32_t output_count;
+  unsigned char** outputs;    // the output buffers
+  unsigned char** shadows;    // a copy of each, as it was after the last slice
+  uint64_t* output_bytes;
+  uint32_t* element_bytes;
+  int64_t** writers;          // per output element: the linear grid index of its last writer, or -1
+};
+
 struct Fiber {
-  ucontext_t context;
+  ucontext_t context;  // where the fiber starts (its stack and entry point)
+  jmp_buf jump;        // where it resumes after waiting
+  bool started;
   State state;
   ThreadIds ids;
+  uint64_t grid_index;  // linear position in the grid, for the instruments
   char* stack;
   int simd_phase;
 };
@@ -112,9 +150,10 @@ struct Launch {
   int count = 0;      // threads in the current group
   int current = -1;   // the fiber running now
   bool use_fibers = false;
-  ucontext_t scheduler;
+  jmp_buf scheduler;  // where a fiber that waits or finishes returns to
   Body body = nullptr;
   void** buffers = nullptr;
+  Instruments* instruments = nullptr;
   // threadgroup memory: one block per `threadgroup` declaration, shared by the group
   char* memory_block[kMaxDeclarations];
   size_t memory_used = 0;
@@ -138,6 +177,17 @@ inline void fail(const char* text) {
 
 inline Fiber& me() { return launch_state->fibers[launch_state->current]; }
 
+// Add one to this thread's entry of a per-thread counter (if it is recorded).
+inline void count_for_me(uint32_t* per_thread) {
+  if (per_thread != nullptr) per_thread[me().grid_index] += 1;
+}
+
+inline void count_atomic() {
+  Instruments& instruments = *launch_state->instruments;
+  instruments.atomics += 1;
+  count_for_me(instruments.thread_atomics);
+}
+
 // Give control back to the scheduler until this thread is released.
 inline void wait_in(State state) {
   Launch& launch = *launch_state;
@@ -147,7 +197,7 @@ inline void wait_in(State state) {
   }
   Fiber& fiber = me();
   fiber.state = state;
-  swapcontext(&fiber.context, &launch.scheduler);
+  if (_setjmp(fiber.jump) == 0) _longjmp(launch.scheduler, 1);
 }
 
 inline char* threadgroup_block(int declaration, size_t bytes) {
@@ -173,11 +223,38 @@ Array* threadgroup_array(int declaration) {
   return reinterpret_cast<Array*>(threadgroup_block(declaration, sizeof(Array)));
 }
 
+// Credit every output element that changed since the last slice to thread `t`.
+inline void attribute_writes(Launch& launch, int t) {
+  Instruments& instruments = *launch.instruments;
+  uint64_t writer = launch.fibers[t].grid_index;
+  for (int k = 0; k < instruments.output_count; ++k) {
+    unsigned char* now = instruments.outputs[k];
+    unsigned char* before = instruments.shadows[k];
+    size_t bytes = instruments.output_bytes[k], width = instruments.element_bytes[k];
+    if (bytes == 0 || std::memcmp(now, before, bytes) == 0) continue;
+    for (size_t start = 0; start < bytes; start += kCompareChunk) {  // width divides kCompareChunk
+      size_t end = start + kCompareChunk < bytes ? start + kCompareChunk : bytes;
+      if (std::memcmp(now + start, before + start, end - start) == 0) continue;
+      for (size_t offset = start; offset < end; offset += width) {
+        if (std::memcmp(now + offset, before + offset, width) == 0) continue;
+        std::memcpy(before + offset, now + offset, width);
+        instruments.writers[k][offset / width] = int64_t(writer);
+        if (instruments.thread_writes != nullptr) instruments.thread_writes[writer] += 1;
+      }
+    }
+  }
+}
+
+// A fiber runs one thread's body after another (slot `index` of every group of
+// every launch in this library), parking between them, so it is started only once.
 inline void fiber_main(int index) {
-  Launch& launch = *launch_state;
-  launch.body(launch.fibers[index].ids, launch.buffers);
-  launch.fibers[index].state = State::done;
-  // returning resumes uc_link, the scheduler
+  for (;;) {
+    Launch& launch = *launch_state;
+    Fiber& fiber = launch.fibers[index];
+    launch.body(fiber.ids, launch.buffers);
+    fiber.state = State::done;
+    if (_setjmp(fiber.jump) == 0) _longjmp(launch.scheduler, 1);
+  }
 }
 
 inline uint32_t next_random(uint32_t& seed) {
@@ -187,13 +264,14 @@ inline uint32_t next_random(uint32_t& seed) {
   return seed;
 }
 
-// order: 0 forward, 1 reverse, 2 random (a new shuffle on every pass)
-inline void make_order(int* order, int count, int mode, uint32_t& seed) {
-  for (int i = 0; i < count; ++i) order[i] = mode == 1 ? count - 1 - i : i;
+// order: 0 forward, 1 reverse, 2 random (a new shuffle on every call)
+template <class Index>
+inline void make_order(Index* order, size_t count, int mode, uint32_t& seed) {
+  for (size_t i = 0; i < count; ++i) order[i] = Index(mode == 1 ? count - 1 - i : i);
   if (mode == 2) {
-    for (int i = count - 1; i > 0; --i) {
-      int j = int(next_random(seed) % uint32_t(i + 1));
-      int held = order[i];
+    for (size_t i = count - 1; count > 1 && i > 0; --i) {
+      size_t j = size_t(next_random(seed)) % (i + 1);
+      Index held = order[i];
       order[i] = order[j];
       order[j] = held;
     }
@@ -201,8 +279,8 @@ inline void make_order(int* order, int count, int mode, uint32_t& seed) {
 }
 
 // Release whatever can be released; returns false on deadlock or divergence.
-inline bool release_waiting(Launch& launch, int phase_unused) {
-  (void)phase_unused;
+inline bool release_waiting(Launch& launch) {
+  Instruments& instruments = *launch.instruments;
   int groups = (launch.count + kSimdWidth - 1) / kSimdWidth;
   bool released = false;
   for (int group = 0; group < groups; ++group) {
@@ -224,6 +302,7 @@ inline bool release_waiting(Launch& launch, int phase_unused) {
           fiber.state = State::ready;
         }
       }
+      instruments.simd_collectives += 1;
       released = true;
     }
   }
@@ -239,48 +318,62 @@ inline bool release_waiting(Launch& launch, int phase_unused) {
       return false;
     }
     for (int t = 0; t < launch.count; ++t) launch.fibers[t].state = State::ready;
+    instruments.barriers += 1;
     return true;
   }
   fail("deadlock: threads wait at different barriers or SIMD collectives (divergent control flow)");
   return false;
 }
 
+// Run thread t until it finishes or waits, then credit its writes.
+inline void run_slice(Launch& launch, int t) {
+  launch.current = t;
+  if (launch.use_fibers) {
+    // _setjmp/_longjmp do not save the signal mask, so a switch makes no system
+    // call (swapcontext makes two); setcontext starts a fiber, once.
+    Fiber& fiber = launch.fibers[t];
+    if (_setjmp(launch.scheduler) == 0) {
+      if (fiber.started) _longjmp(fiber.jump, 1);
+      fiber.started = true;
+      setcontext(&fiber.context);
+    }
+  } else {
+    launch.body(launch.fibers[t].ids, launch.buffers);
+  }
+  if (launch.instruments->output_count > 0) attribute_writes(launch, t);
+}
+
 inline void run_group(Launch& launch, int mode, uint32_t& seed) {
   static int order[kMaxThreads];
   if (!launch.use_fibers) {
-    make_order(order, launch.count, mode, seed);
-    for (int k = 0; k < launch.count && !launch.failed; ++k) {
-      launch.current = order[k];
-      launch.body(launch.fibers[order[k]].ids, launch.buffers);
-    }
+    make_order(order, size_t(launch.count), mode, seed);
+    for (int k = 0; k < launch.count && !launch.failed; ++k) run_slice(launch, order[k]);
     return;
   }
   for (int t = 0; t < launch.count; ++t) {
     Fiber& fiber = launch.fibers[t];
+    fiber.state = State::ready;
+    fiber.simd_phase = 0;
+    if (fiber.started) continue;  // parked at the end of its last thread: resuming runs the next
     if (fiber.stack == nullptr) fiber.stack = static_cast<char*>(std::malloc(kStackSize));
     getcontext(&fiber.context);
     fiber.context.uc_stack.ss_sp = fiber.stack;
     fiber.context.uc_stack.ss_size = kStackSize;
-    fiber.context.uc_link = &launch.scheduler;
+    fiber.context.uc_link = nullptr;  // fiber_main never returns
     makecontext(&fiber.context, reinterpret_cast<void (*)()>(fiber_main), 1, t);
-    fiber.state = State::ready;
-    fiber.simd_phase = 0;
   }
   for (;;) {
-    make_order(order, launch.count, mode, seed);
+    make_order(order, size_t(launch.count), mode, seed);
     bool all_done = true;
     for (int k = 0; k < launch.count && !launch.failed; ++k) {
-      int t = order[k];
-      if (launch.fibers[t].state != State::ready) continue;
-      launch.current = t;
-      swapcontext(&launch.scheduler, &launch.fibers[t].context);
+      if (launch.fibers[order[k]].state == State::ready) run_slice(launch, order[k]);
     }
     if (launch.failed) return;
     for (int t = 0; t < launch.count; ++t) all_done &= launch.fibers[t].state == State::done;
     if (all_done) return;
     bool any_ready = false;
     for (int t = 0; t < launch.count; ++t) any_ready |= launch.fibers[t].state == State::ready;
-    if (!any_ready && !release_waiting(launch, 0)) return;
+    if (!any_ready && !release_waiting(launch)) return;
   }
 }
 
@@ -294,15 +387,46 @@ inline void free_threadgroup_memory(Launch& launch) {
   launch.memory_used = 0;
 }
 
+// Set up the ids of the threads of the group at `position` that lie inside the grid.
+inline void place_group(Launch& launch, uint3 position, const unsigned* grid, const unsigned* group,
+                        const unsigned* groups) {
+  uint3 actual;
+  actual.x = grid[0] - position.x * group[0] < group[0] ? grid[0] - position.x * group[0] : group[0];
+  actual.y = grid[1] - position.y * group[1] < group[1] ? grid[1] - position.y * group[1] : group[1];
+  actual.z = grid[2] - position.z * group[2] < group[2] ? grid[2] - position.z * group[2] : group[2];
+  launch.count = int(actual.x * actual.y * actual.z);
+  int t = 0;
+  for (uint z = 0; z < actual.z; ++z)
+    for (uint y = 0; y < actual.y; ++y)
+      for (uint x = 0; x < actual.x; ++x, ++t) {
+        Fiber& fiber = launch.fibers[t];
+        ThreadIds& ids = fiber.ids;
+        ids.thread_position_in_threadgroup = {x, y, z};
+        ids.threadgroup_position_in_grid = position;
+        ids.thread_position_in_grid = {position.x * group[0] + x, position.y * group[1] + y,
+                                       position.z * group[2] + z};
+        ids.threads_per_threadgroup = actual;
+        ids.threads_per_grid = {grid[0], grid[1], grid[2]};
+        ids.threadgroups_per_grid = {groups[0], groups[1], groups[2]};
+        ids.thread_index_in_threadgroup = uint(t);
+        ids.thread_index_in_simdgroup = uint(t % kSimdWidth);
+        ids.simdgroup_index_in_threadgroup = uint(t / kSimdWidth);
+        ids.threads_per_simdgroup = kSimdWidth;
+        const uint3& p = ids.thread_position_in_grid;
+        fiber.grid_index = p.x + uint64_t(grid[0]) * (p.y + uint64_t(grid[1]) * p.z);
+      }
+}
+
 // Run the whole grid.  Returns 0, or 1 with a message.
 inline int launch(Body body, void** buffers, const unsigned* grid, const unsigned* group_size, int mode,
-                  unsigned seed, bool use_fibers, char* message, int message_size) {
+                  unsigned seed, bool use_fibers, Instruments* instruments, char* message, int message_size) {
   static Launch state;
   Launch& launch = state;
   launch_state = &launch;
   launch.body = body;
   launch.buffers = buffers;
   launch.use_fibers = use_fibers;
+  launch.instruments = instruments;
   launch.failed = false;
   launch.message[0] = 0;
   uint32_t random_state = seed * 2654435761u + 1u;
@@ -316,6 +440,9 @@ inline int launch(Body body, void** buffers, const unsigned* grid, const unsigne
                   group[0] * group[1] * group[2]);
     return 1;
   }
+  size_t group_count = size_t(groups[0]) * groups[1] * groups[2];
+  uint64_t* group_order = static_cast<uint64_t*>(std::malloc((group_count ? group_count : 1) * sizeof(uint64_t)));
+  make_order(group_order, group_count, mode, random_state);
   struct sigaction fault_action, old_segv, old_bus;
   std::memset(&fault_action, 0, sizeof(fault_action));
   fault_action.sa_handler = on_fault;
@@ -324,49 +451,22 @@ inline int launch(Body body, void** buffers, const unsigned* grid, const unsigne
   if (sigsetjmp(launch.fault_jump, 1) != 0) {
     fail("memory fault: the kernel read or wrote far outside its buffers");
   } else {
-    int group_order[3][4096];
-    uint32_t group_count[3] = {groups[0], groups[1], groups[2]};
-    for (int k = 0; k < 3; ++k) {
-      int n = int(group_count[k] < 4096 ? group_count[k] : 4096);
-      if (group_count[k] > 4096) {
-        fail("grid too large for the emulation (more than 4096 groups along one axis)");
-      }
-      make_order(group_order[k], n, mode, random_state);
+    for (size_t k = 0; k < group_count && !launch.failed; ++k) {
+      uint64_t linear = group_order[k];
+      uint3 position = {uint(linear % groups[0]), uint(linear / groups[0] % groups[1]),
+                        uint(linear / groups[0] / groups[1])};
+      place_group(launch, position, grid, group, groups);
+      run_group(launch, mode, random_state);
+      free_threadgroup_memory(launch);
     }
-    for (uint32_t gz = 0; gz < group_count[2] && !launch.failed; ++gz)
-      for (uint32_t gy = 0; gy < group_count[1] && !launch.failed; ++gy)
-        for (uint32_t gx = 0; gx < group_count[0] && !launch.failed; ++gx) {
-          uint3 position = {uint(group_order[0][gx]), uint(group_order[1][gy]), uint(group_order[2][gz])};
-          uint3 actual;  // the threads of this group that lie inside the grid
-          actual.x = grid[0] - position.x * group[0] < group[0] ? grid[0] - position.x * group[0] : group[0];
-          actual.y = grid[1] - position.y * group[1] < group[1] ? grid[1] - position.y * group[1] : group[1];
-          actual.z = grid[2] - position.z * group[2] < group[2] ? grid[2] - position.z * group[2] : group[2];
-          launch.count = int(actual.x * actual.y * actual.z);
-          int t = 0;
-          for (uint z = 0; z < actual.z; ++z)
-            for (uint y = 0; y < actual.y; ++y)
-              for (uint x = 0; x < actual.x; ++x, ++t) {
-                ThreadIds& ids = launch.fibers[t].ids;
-                ids.thread_position_in_threadgroup = {x, y, z};
-                ids.threadgroup_position_in_grid = position;
-                ids.thread_position_in_grid = {position.x * group[0] + x, position.y * group[1] + y,
-                                               position.z * group[2] + z};
-                ids.threads_per_threadgroup = actual;
-                ids.threads_per_grid = {grid[0], grid[1], grid[2]};
-                ids.threadgroups_per_grid = {groups[0], groups[1], groups[2]};
-                ids.thread_index_in_threadgroup = uint(t);
-                ids.thread_index_in_simdgroup = uint(t % kSimdWidth);
-                ids.simdgroup_index_in_threadgroup = uint(t / kSimdWidth);
-                ids.threads_per_simdgroup = kSimdWidth;
-              }
-          run_group(launch, mode, random_state);
-          free_threadgroup_memory(launch);
-        }
   }
   sigaction(SIGSEGV, &old_segv, nullptr);
   sigaction(SIGBUS, &old_bus, nullptr);
+  std::free(group_order);
   if (launch.failed) {
     free_threadgroup_memory(launch);
+    // Fibers may be parked in the middle of a body: start them afresh next time.
+    for (int t = 0; t < kMaxThreads; ++t) launch.fibers[t].started = false;
     std::snprintf(message, message_size, "%s", launch.message);
     return 1;
   }
@@ -382,7 +482,13 @@ namespace metal {
 enum class mem_flags { mem_none = 0, mem_device = 1, mem_threadgroup = 2, mem_texture = 4 };
 inline mem_flags operator|(mem_flags a, mem_flags b) { return mem_flags(int(a) | int(b)); }
 
-inline void threadgroup_barrier(mem_flags) { emu::wait_in(emu::State::at_barrier); }
+// Every thread of the group must arrive before any goes on.
+inline void threadgroup_barrier(mem_flags) {
+  emu::Instruments& instruments = *emu::launch_state->instruments;
+  instruments.barrier_waits += 1;
+  emu::count_for_me(instruments.thread_barriers);
+  emu::wait_in(emu::State::at_barrier);
+}
 
 // -- SIMD-group collectives: every live lane of the 32-wide group must arrive.
 
@@ -399,6 +505,7 @@ template <class T>
 inline int simd_exchange(T value) {
   static_assert(sizeof(T) <= emu::kSlotBytes, "SIMD value too large for the emulation");
   emu::Fiber& fiber = emu::me();
+  emu::count_for_me(emu::launch_state->instruments->thread_simd);
   int phase = fiber.simd_phase & 1;
   std::memcpy(emu::launch_state->slots[phase][fiber.ids.thread_index_in_threadgroup], &value, sizeof(T));
   emu::wait_in(emu::State::at_simd);
@@ -481,7 +588,8 @@ inline T simd_shuffle_xor(T value, unsigned short mask) {
   return read_lane(phase, int(emu::me().ids.thread_index_in_simdgroup ^ mask), value);
 }
 
-// -- atomics (the threads run on one CPU thread, so plain read-modify-write is atomic)
+// -- atomics (the threads run on one CPU thread, so plain read-modify-write is atomic).
+// Each operation is counted in the launch's instruments.
 
 enum memory_order { memory_order_relaxed };
 
@@ -495,22 +603,26 @@ typedef atomic<float> atomic_float;
 
 template <class T, class U>
 inline T atomic_fetch_add_explicit(atomic<T>* object, U operand, memory_order) {
+  emu::count_atomic();
   T old = object->value;
   object->value = T(old + T(operand));
   return old;
 }
 template <class T, class U>
 inline T atomic_fetch_max_explicit(atomic<T>* object, U operand, memory_order) {
+  emu::count_atomic();
   T old = object->value;
   object->value = old > T(operand) ? old : T(operand);
   return old;
 }
 template <class T>
 inline T atomic_load_explicit(atomic<T>* object, memory_order) {
+  emu::count_atomic();
   return object->value;
 }
 template <class T, class U>
 inline void atomic_store_explicit(atomic<T>* object, U operand, memory_order) {
+  emu::count_atomic();
   object->value = T(operand);
 }
 
