@@ -15,7 +15,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from emulated import launch_count, metal_backend
+from emulated import REAL_METAL, launch_count, metal_backend
 from seqlib import emulation
 from test_cells import cell_cases
 from test_cells import test_cells_match_torch_outputs_and_all_gradients as cell_test
@@ -352,8 +352,12 @@ def test_backend_is_ops_without_metal_and_metal_cannot_be_forced_there(monkeypat
     monkeypatch.setenv(kernels.BACKEND_ENV, "gpu")
     with pytest.raises(ValueError, match="SEQLIB_BACKEND"):
         kernels.backend()
+    monkeypatch.setenv(kernels.BACKEND_ENV, "emulate")
+    assert kernels.backend() == "emulate" and kernels.uses_kernels()
+    with kernels.use_backend("ops"):
+        assert kernels.backend() == "ops" and not kernels.uses_kernels()
     with metal_backend():
-        assert kernels.backend() == "metal"
+        assert kernels.backend() == ("metal" if REAL_METAL else "emulate")
         with kernels.use_backend("ops"):
             assert kernels.backend() == "ops"
 

@@ -35,6 +35,7 @@ work through them.
 from seqlib.kernels.backend import (
     BACKEND_ENV,
     BACKENDS,
+    HEADER_NAME,
     KERNEL_DTYPES,
     backend,
     kernel_dir,
@@ -69,6 +70,7 @@ from seqlib.kernels.sequence_kernels import (
 __all__ = [
     "BACKENDS",
     "BACKEND_ENV",
+    "HEADER_NAME",
     "KERNEL_DTYPES",
     "KERNEL_SPECS",
     "LSTM_SEQUENCE_VERSIONS",

@@ -30,6 +30,7 @@ from seqlib import emulation
 __all__ = [
     "BACKENDS",
     "BACKEND_ENV",
+    "HEADER_NAME",
     "KERNEL_DIR_ENV",
     "KERNEL_DTYPES",
     "KernelSpec",
