@@ -786,7 +786,7 @@ def test_direct_bag_kernel_calls_check_every_argument(backend, call, error, word
 def test_direct_lookup_kernel_calls_check_grad_scale_and_max_norm():
     base = {"weight": np.ones((5, 3), np.float32), "indices": np.array([[0, 1], [2, 3]])}
     for grad_scale, words in [(np.ones(3, np.float32), ["grad_scale", "(4,)", "(3,)"]),
-                              (np.ones((2, 2), np.float32), ["grad_scale", "1-D", "(2, 2)"]),
+                              (np.ones((2, 2), np.float32), ["grad_scale", "(4,)", "(2, 2)"]),
                               (("raw", [1.0] * 4), ["grad_scale", "list"])]:  # fmt: skip
         case = {"op": "kernels.embedding", "args": {**base, "grad_scale": grad_scale}}
         assert_clear_error(run_isolated(seqlib_call, case, "metal"), *words)

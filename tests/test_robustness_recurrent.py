@@ -476,9 +476,9 @@ def shape_cases():
     """(function, overrides, words): one malformed argument each, to direct calls of every recurrent function."""
     f16 = mx.float16
     return [
-        ("kernels.lstm_sequence_forward", {"h0": mx.zeros((2, 5))}, ["x_gates", "(N, 20)"]),
+        ("kernels.lstm_sequence_forward", {"h0": mx.zeros((2, 5))}, ["x_gates", "(*, 20)"]),
         ("kernels.lstm_sequence_forward", {"c0": mx.zeros((2, 3))}, ["c0", "(2, 4)"]),
-        ("kernels.lstm_sequence_forward", {"x_gates": mx.zeros((3, 15))}, ["x_gates", "(N, 16)"]),
+        ("kernels.lstm_sequence_forward", {"x_gates": mx.zeros((3, 15))}, ["x_gates", "(*, 16)"]),
         ("kernels.lstm_sequence_forward", {"w_hh": mx.zeros((16, 4), f16)}, ["w_hh", "float16"]),
         ("kernels.lstm_sequence_forward", {"h0": mx.zeros((2, 4), mx.float64)}, ["h0", "float64"]),
         ("kernels.lstm_sequence_forward", {"h0": np.zeros((2, 4), np.float32).tolist()}, ["h0", "list"]),
@@ -533,7 +533,7 @@ CELL_KERNEL_CASES = [
                                   mx.zeros((2, 2))), ["d_c", "(2, 2)"]),
     (kernels.gru_pointwise, (mx.zeros((2, 6)), mx.zeros((3, 6)), mx.zeros((2, 2))), ["hidden_side", "(2, 6)"]),
     (kernels.gru_pointwise_backward, (mx.zeros((2, 2)), mx.zeros((2, 6)), mx.zeros((2, 6)), mx.zeros((2,))),
-     ["h_prev", "2-D"]),
+     ["h_prev", "(*, *)", "(2,)"]),
     (kernels.rnn_activation, (mx.zeros((2, 3), mx.int32),), ["pre", "int32"]),
     (kernels.rnn_activation, (np.zeros((2, 3), np.float32),), ["pre", "ndarray"]),
     (kernels.rnn_activation_backward, (mx.zeros((2, 4)), mx.zeros((2, 3))), ["d_h", "(2, 3)"]),
