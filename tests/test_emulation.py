@@ -183,7 +183,7 @@ def test_a_missing_compiler_is_named_with_how_to_get_one(monkeypatch, tmp_path):
     monkeypatch.setenv("PATH", str(tmp_path))
     how_to_get_one = r"none of .*g\+\+.* was found.*(apt install g\+\+|xcode-select --install)"
     with pytest.raises(emulation.CompilerNotFoundError, match=how_to_get_one):
-        emulation.runner.find_compiler()
+        emulation.compiler.find_compiler()
 
 
 def test_a_kernel_the_compiler_rejects_raises_with_its_message():

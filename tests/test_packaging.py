@@ -41,7 +41,7 @@ sigmoid = lambda x: 1 / (1 + np.exp(-x.astype(np.float64)))
 i, f, g, o = np.split(gates, 4, axis=1)
 c_expected = sigmoid(f) * c_prev + sigmoid(i) * np.tanh(g)
 h_expected = sigmoid(o) * np.tanh(c_expected)
-print(emulation.runner.HEADER)
+print(emulation.compiler.HEADER)
 print(np.abs(np.array(h) - h_expected).max(), np.abs(np.array(c) - c_expected).max())
 """
 

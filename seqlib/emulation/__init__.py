@@ -63,16 +63,9 @@ emulation uses POSIX ``ucontext`` for its fibers (Linux and macOS).
 """
 
 from seqlib.emulation.lint import lint
-from seqlib.emulation.runner import (
-    CompilerNotFoundError,
-    EmulatedKernel,
-    EmulationError,
-    Launch,
-    launch_count,
-    metal_kernel,
-    options,
-    record,
-)
+from seqlib.emulation.compiler import CompilerNotFoundError, EmulationError
+from seqlib.emulation.recording import Launch, launch_count, record
+from seqlib.emulation.runner import EmulatedKernel, metal_kernel, options
 
 __all__ = [
     "CompilerNotFoundError",

@@ -1,7 +1,7 @@
 // metal_emulation.h: just enough of the Metal Shading Language (MSL) to compile
 // a kernel body written for mx.fast.metal_kernel as C++ and run it on a CPU.
 // seqlib.emulation compiles MLX's generated text for each call against this
-// header (see runner.py and codegen.py).
+// header (see runner.py, recording.py and codegen.py).
 //
 // MSL is C++14 with address-space qualifiers, vector types, a math library and
 // GPU execution rules.  This header supplies:
@@ -111,7 +111,7 @@ constexpr size_t kCompareChunk = 256;  // bytes compared at once when attributin
 
 typedef void (*Body)(const ThreadIds&, void**);
 
-// What a launch counts, filled in for the caller (runner.py mirrors this layout
+// What a launch counts, filled in for the caller (recording.py mirrors this layout
 // with ctypes).  Per-thread arrays are indexed by the thread's linear position
 // in the grid, x + gx * (y + gy * z); a null pointer means "not recorded".
 struct Instruments {
