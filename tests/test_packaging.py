@@ -43,6 +43,13 @@ c_expected = sigmoid(f) * c_prev + sigmoid(i) * np.tanh(g)
 h_expected = sigmoid(o) * np.tanh(c_expected)
 print(emulation.compiler.HEADER)
 print(np.abs(np.array(h) - h_expected).max(), np.abs(np.array(c) - c_expected).max())
+
+# The same step through the library: the ops path, and the kernel path on the emulated backend.
+with kernels.use_backend("ops"):
+    ops = seqlib.pointwise.lstm_pointwise(mx.array(gates), mx.array(c_prev))
+with kernels.use_backend("emulate"):
+    emulated = seqlib.pointwise.lstm_pointwise(mx.array(gates), mx.array(c_prev))
+print(max(float(np.abs(np.array(a) - np.array(b)).max()) for a, b in zip(ops, emulated)))
 """
 
 
@@ -108,7 +115,8 @@ def test_wheel_installs_and_finds_its_kernel_sources(tmp_path):
         env={**os.environ, "SEQLIB_EMULATION_CACHE": str(tmp_path / "emulation-cache")},
     )  # fmt: skip
     assert emulated.returncode == 0, emulated.stderr[-3000:]
-    header_path, h_error, c_error = emulated.stdout.split()
+    header_path, h_error, c_error, ops_difference = emulated.stdout.split()
     assert header_path == str(Path(module_file).parent / "emulation" / "include" / "metal_emulation.h")
     assert Path(header_path).is_file()
     assert float(h_error) < 1e-6 and float(c_error) < 1e-6
+    assert float(ops_difference) < 1e-6  # the installed kernel path matches the installed ops path
