@@ -55,6 +55,27 @@ def close(ours, theirs, atol=2e-6, rtol=2e-6, what=""):
 # ----------------------------------------------------------------- cells against torch autograd
 
 
+def lstm_cell_torch(gates, c_prev):
+    """torch's LSTM step on pre-activations (B, 4H), gates in the order i, f, g, o: h, c, activations, tanh(c)."""
+    i, f, g, o = gates.chunk(4, dim=1)
+    i, f, g, o = torch.sigmoid(i), torch.sigmoid(f), torch.tanh(g), torch.sigmoid(o)
+    c = f * c_prev + i * g
+    return o * torch.tanh(c), c, torch.cat([i, f, g, o], 1), torch.tanh(c)
+
+
+def gru_cell_torch(input_side, hidden_side, h_prev):
+    """torch's GRU step from both sides' pre-activations (B, 3H), gates r, z, n: h and the activations."""
+    input_r, input_z, input_n = input_side.chunk(3, dim=1)
+    hidden_r, hidden_z, hidden_n = hidden_side.chunk(3, dim=1)
+    r, z = torch.sigmoid(input_r + hidden_r), torch.sigmoid(input_z + hidden_z)
+    n = torch.tanh(input_n + r * hidden_n)
+    return (1 - z) * n + z * h_prev, torch.cat([r, z, n], 1)
+
+
+def rnn_cell_torch(pre, nonlinearity):
+    return torch.tanh(pre) if nonlinearity == "tanh" else torch.relu(pre)
+
+
 @pytest.mark.parametrize(("order", "pad_grid"), SCHEDULES)
 @pytest.mark.parametrize(("batch", "hidden_size"), CELL_SHAPES)
 def test_lstm_cell_forward_and_backward_match_torch(order, pad_grid, batch, hidden_size):
@@ -64,12 +85,9 @@ def test_lstm_cell_forward_and_backward_match_torch(order, pad_grid, batch, hidd
         h, c, activations, tanh_c = kernels.lstm_pointwise(gates, c_prev)
         d_gates, d_c_prev = kernels.lstm_pointwise_backward(d_h, d_c, activations, tanh_c, c_prev)
     gates_t, c_prev_t = torch_of(gates), torch_of(c_prev)
-    i, f, g, o = gates_t.chunk(4, dim=1)
-    i, f, g, o = torch.sigmoid(i), torch.sigmoid(f), torch.tanh(g), torch.sigmoid(o)
-    c_t = f * c_prev_t + i * g
-    h_t = o * torch.tanh(c_t)
-    for ours, theirs, what in [(h, h_t, "h"), (c, c_t, "c"), (tanh_c, torch.tanh(c_t), "tanh_c"),
-                               (activations, torch.cat([i, f, g, o], 1), "activations")]:  # fmt: skip
+    h_t, c_t, activations_t, tanh_c_t = lstm_cell_torch(gates_t, c_prev_t)
+    for ours, theirs, what in [(h, h_t, "h"), (c, c_t, "c"), (tanh_c, tanh_c_t, "tanh_c"),
+                               (activations, activations_t, "activations")]:  # fmt: skip
         close(ours, theirs, what=what)
     torch.autograd.backward([h_t, c_t], [torch_of(d_h), torch_of(d_c)])
     close(d_gates, gates_t.grad, what="d_gates")
@@ -85,13 +103,9 @@ def test_gru_cell_forward_and_backward_match_torch(order, pad_grid, batch, hidde
         h, activations = kernels.gru_pointwise(input_side, hidden_side, h_prev)
         d_input, d_hidden, d_h_prev = kernels.gru_pointwise_backward(d_h, activations, hidden_side, h_prev)
     input_t, hidden_t, h_prev_t = torch_of(input_side), torch_of(hidden_side), torch_of(h_prev)
-    input_r, input_z, input_n = input_t.chunk(3, dim=1)
-    hidden_r, hidden_z, hidden_n = hidden_t.chunk(3, dim=1)
-    r, z = torch.sigmoid(input_r + hidden_r), torch.sigmoid(input_z + hidden_z)
-    n = torch.tanh(input_n + r * hidden_n)
-    h_t = (1 - z) * n + z * h_prev_t
+    h_t, activations_t = gru_cell_torch(input_t, hidden_t, h_prev_t)
     close(h, h_t, what="h")
-    close(activations, torch.cat([r, z, n], 1), what="activations")
+    close(activations, activations_t, what="activations")
     h_t.backward(torch_of(d_h))
     close(d_input, input_t.grad, what="d_input_side")
     close(d_hidden, hidden_t.grad, what="d_hidden_side")
@@ -107,24 +121,28 @@ def test_rnn_cell_forward_and_backward_match_torch(order, pad_grid, nonlinearity
         h = kernels.rnn_activation(pre, nonlinearity)
         d_pre = kernels.rnn_activation_backward(d_h, h, nonlinearity)
     pre_t = torch_of(pre)
-    h_t = torch.tanh(pre_t) if nonlinearity == "tanh" else torch.relu(pre_t)
+    h_t = rnn_cell_torch(pre_t, nonlinearity)
     h_t.backward(torch_of(d_h))
     close(h, h_t, what="h")
     close(d_pre, pre_t.grad, what="d_pre")
 
 
-def test_cell_kernels_keep_half_precision_storage_and_float32_math():
-    gates, c_prev = random((3, 4 * 40), 0, 2.0), random((3, 40), 1)
+@pytest.mark.parametrize("nonlinearity", ["tanh", "relu"])
+def test_rnn_cell_keeps_signed_zeros_infinities_and_nan_as_torch(nonlinearity):
+    """torch: relu(-0) = -0 and relu(NaN) = NaN (tanh keeps both too); the relu gradient passes at NaN, not at 0."""
+    pre = mx.array([[-0.0, 0.0, np.nan, -2.0, 3.0, -np.inf, np.inf]])
+    d_h = mx.array([[1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0]])
     with metal_backend():
-        full = kernels.lstm_pointwise(gates, c_prev)
-        half = kernels.lstm_pointwise(gates.astype(mx.float16), c_prev.astype(mx.float16))
-        brain = kernels.lstm_pointwise(gates.astype(mx.bfloat16), c_prev.astype(mx.bfloat16))
-    for ours, reference in zip(half, full, strict=True):
-        assert ours.dtype == mx.float16
-        close(ours.astype(mx.float32), reference, atol=2e-3, rtol=2e-3)
-    for ours, reference in zip(brain, full, strict=True):
-        assert ours.dtype == mx.bfloat16
-        close(ours.astype(mx.float32), reference, atol=2e-2, rtol=2e-2)
+        h = kernels.rnn_activation(pre, nonlinearity)
+        d_pre = kernels.rnn_activation_backward(d_h, h, nonlinearity)
+    pre_t = torch_of(pre)
+    h_t = rnn_cell_torch(pre_t, nonlinearity)
+    h_t.backward(torch_of(d_h))
+    for ours, theirs, what in [(h, h_t, "h"), (d_pre, pre_t.grad, "d_pre")]:
+        ours, theirs = np.array(ours, np.float64), theirs.detach().numpy()
+        close(ours, theirs, what=what)  # NaN where torch has NaN
+        numbers = ~np.isnan(theirs)
+        np.testing.assert_array_equal(np.signbit(ours[numbers]), np.signbit(theirs[numbers]), err_msg=what)
 
 
 # ----------------------------------------------------------------- whole-sequence kernels
@@ -229,6 +247,24 @@ def test_renorm_scales_match_torch_norms(order, pad_grid, norm_type, embedding_d
     close(scale, want.numpy(), atol=2e-6, rtol=1e-5)
 
 
+@pytest.mark.parametrize(("order", "pad_grid"), SCHEDULES)
+@pytest.mark.parametrize("norm_type", [1.0, 2.0, float("inf"), 3.0])
+def test_renorm_leaves_a_row_on_the_sphere_and_scales_tiny_rows_as_torch(order, pad_grid, norm_type):
+    """Rows of +-2^-14 (norms exact in float32 for p = 1, 2, inf): one exactly on the sphere keeps its scale of 1
+    (only norms above max_norm shrink), and where norms are ~1e-4 torch's + 1e-7 in the divisor shows."""
+    signs = np.where(np.random.default_rng(0).random((2, 100)) < 0.5, -1.0, 1.0)
+    weight = mx.array((signs * np.array([[1.0], [2.0]]) * 2.0**-14).astype(np.float32))  # row 1 = 2 x row 0 in size
+    norms = torch.linalg.vector_norm(torch.tensor(np.array(weight), dtype=torch.float64), ord=norm_type, dim=1)
+    max_norm = float(norms[0]) * (0.75 if norm_type == 3.0 else 1.0)  # the pow norm is not exact: no sphere
+    with metal_backend(order, pad_grid):
+        scale = kernels.embedding_renorm_scales(weight, mx.array([0, 1], mx.int32), max_norm, norm_type)
+    want = torch.where(norms > max_norm, max_norm / (norms + 1e-7), torch.ones_like(norms)).numpy()
+    assert want[1] < 1 - 1e-4  # rescaled, and 1e-7 / norm is far above float32 rounding
+    if norm_type != 3.0:
+        assert float(scale[0]) == want[0] == 1.0
+    close(scale, want, atol=0, rtol=1e-5)
+
+
 def bag_inputs(seed=0):
     rng = np.random.default_rng(seed)
     indices = mx.array(rng.integers(0, 7, 23).astype(np.int32))
@@ -265,6 +301,28 @@ def test_bag_kernels_forward_and_gradients_match_torch(order, pad_grid, mode, pa
 
 
 @pytest.mark.parametrize(("order", "pad_grid"), SCHEDULES)
+def test_max_bags_keep_the_first_of_equal_values_as_torch(order, pad_grid):
+    """Ties go to the first entry, as in torch: its value (-0 before 0 stays -0) and its row gets the gradient."""
+    weight = mx.array([[1.0, 2.0], [1.0, 2.0], [0.5, 3.0], [-0.0, 0.0], [0.0, -0.0]])
+    indices, offsets = mx.array([0, 1, 2, 3, 4, 4, 3], mx.int32), mx.array([0, 3, 5], mx.int32)
+    d_out = mx.array([[10.0, 20.0], [30.0, 40.0], [50.0, 60.0]])
+    table = torch_of(weight)
+    out = torch.nn.functional.embedding_bag(torch.tensor(np.array(indices).astype(np.int64)), table,
+                                            torch.tensor(np.array(offsets).astype(np.int64)), mode="max")  # fmt: skip
+    out.backward(torch_of(d_out))
+
+    def loss(table):
+        bags = kernels.embedding_bag(indices, table, offsets, "max")
+        return (bags * d_out).sum(), bags
+
+    with metal_backend(order, pad_grid):
+        (_, bags), grad = mx.value_and_grad(loss)(weight)
+    np.testing.assert_array_equal(np.array(bags), out.detach().numpy())
+    np.testing.assert_array_equal(np.signbit(np.array(bags)), np.signbit(out.detach().numpy()))
+    np.testing.assert_array_equal(np.array(grad), table.grad.numpy())
+
+
+@pytest.mark.parametrize(("order", "pad_grid"), SCHEDULES)
 def test_lookup_kernels_gather_and_scatter_add_with_padding_and_frequency_scaling(order, pad_grid):
     weight = random((9, 70), 0)  # D > 64 and not a multiple of it: padded grids overhang in x
     indices = mx.array([[3, 1, 3], [8, 0, 3]], mx.int32)
@@ -281,6 +339,213 @@ def test_lookup_kernels_gather_and_scatter_add_with_padding_and_frequency_scalin
         gathered = seqlib.functional.embedding(indices, weight)
     close(gathered, out, what="lookup")
     close(grad, table.grad, atol=1e-6, what="d_weight")
+
+
+# ----------------------------------------------------------------- half precision
+#
+# Every kernel whose storage type T can be float16 or bfloat16, in both, held to torch in float64 on the same
+# (already rounded) inputs.  The kernels read T, compute in float32 and round each output once, so a forward
+# output is within half an ulp of the exact value: |ours - exact| <= eps * max |exact|, eps the format's
+# machine epsilon ("1 ulp of the output's magnitude"; half of it is what rounding allows).  The cell backwards
+# also read saved activations rounded to T, which costs up to about one ulp more; sums of atomics and dot
+# products run in float32.  Copies (a lookup, the winner of a max bag, relu) are exact.
+
+HALF_FORMATS = [pytest.param(mx.float16, 2.0**-10, id="float16"), pytest.param(mx.bfloat16, 2.0**-7, id="bfloat16")]
+
+
+def in_format(array, dtype):
+    """``array`` rounded to ``dtype``: the inputs the kernel sees, and, exactly, the reference's."""
+    return array.astype(dtype)
+
+
+def exact_of(array):
+    """A float64 torch tensor (with grad) holding the values of a float16/bfloat16/float32 array exactly."""
+    return torch_of(array.astype(mx.float32))
+
+
+def within_ulps(ours, exact, dtype, eps, ulps, what):
+    """``ours`` has dtype ``dtype`` and lies within ``ulps * eps`` of ``exact``'s magnitude (its largest |value|)."""
+    assert ours.dtype == dtype, f"{what}: {ours.dtype}, expected {dtype}"
+    exact = exact.detach().numpy() if isinstance(exact, torch.Tensor) else np.asarray(exact, np.float64)
+    error = np.abs(np.array(ours.astype(mx.float32), np.float64) - exact).max()
+    bound = ulps * eps * np.abs(exact).max()
+    assert error <= bound, f"{what}: off by {error:.3g}, more than {ulps} ulp(s) of its magnitude ({bound:.3g})"
+
+
+@pytest.mark.parametrize(("dtype", "eps"), HALF_FORMATS)
+def test_half_precision_lstm_cell_and_backward_match_torch(dtype, eps):
+    gates, c_prev = in_format(random((5, 4 * 70), 0, 3.0), dtype), in_format(random((5, 70), 1), dtype)
+    d_h, d_c = in_format(random((5, 70), 2), dtype), in_format(random((5, 70), 3), dtype)
+    with metal_backend("random", True):
+        h, c, activations, tanh_c = kernels.lstm_pointwise(gates, c_prev)
+        d_gates, d_c_prev = kernels.lstm_pointwise_backward(d_h, d_c, activations, tanh_c, c_prev)
+    gates_t, c_prev_t = exact_of(gates), exact_of(c_prev)
+    exact = lstm_cell_torch(gates_t, c_prev_t)
+    names = ["h", "c", "activations", "tanh_c"]
+    for ours, theirs, what in zip([h, c, activations, tanh_c], exact, names, strict=True):
+        within_ulps(ours, theirs, dtype, eps, 1, what)
+    torch.autograd.backward(exact[:2], [exact_of(d_h), exact_of(d_c)])
+    within_ulps(d_gates, gates_t.grad, dtype, eps, 2, "d_gates")
+    within_ulps(d_c_prev, c_prev_t.grad, dtype, eps, 2, "d_c_prev")
+
+
+@pytest.mark.parametrize(("dtype", "eps"), HALF_FORMATS)
+def test_half_precision_gru_cell_and_backward_match_torch(dtype, eps):
+    input_side, hidden_side = (in_format(random((5, 3 * 70), seed, 2.0), dtype) for seed in (0, 1))
+    h_prev, d_h = (in_format(random((5, 70), seed), dtype) for seed in (2, 3))
+    with metal_backend("random", True):
+        h, activations = kernels.gru_pointwise(input_side, hidden_side, h_prev)
+        d_input, d_hidden, d_h_prev = kernels.gru_pointwise_backward(d_h, activations, hidden_side, h_prev)
+    input_t, hidden_t, h_prev_t = exact_of(input_side), exact_of(hidden_side), exact_of(h_prev)
+    h_t, activations_t = gru_cell_torch(input_t, hidden_t, h_prev_t)
+    within_ulps(h, h_t, dtype, eps, 1, "h")
+    within_ulps(activations, activations_t, dtype, eps, 1, "activations")
+    h_t.backward(exact_of(d_h))
+    for ours, theirs, what in [(d_input, input_t.grad, "d_input_side"), (d_hidden, hidden_t.grad, "d_hidden_side"),
+                               (d_h_prev, h_prev_t.grad, "d_h_prev")]:  # fmt: skip
+        within_ulps(ours, theirs, dtype, eps, 2, what)
+
+
+@pytest.mark.parametrize(("dtype", "eps"), HALF_FORMATS)
+@pytest.mark.parametrize("nonlinearity", ["tanh", "relu"])
+def test_half_precision_rnn_cell_and_backward_match_torch(nonlinearity, dtype, eps):
+    pre, d_h = in_format(random((5, 70), 0, 2.0), dtype), in_format(random((5, 70), 1), dtype)
+    with metal_backend("random", True):
+        h = kernels.rnn_activation(pre, nonlinearity)
+        d_pre = kernels.rnn_activation_backward(d_h, h, nonlinearity)
+    pre_t = exact_of(pre)
+    h_t = rnn_cell_torch(pre_t, nonlinearity)
+    h_t.backward(exact_of(d_h))
+    exact = nonlinearity == "relu"  # relu copies or zeroes its input and its gradient
+    within_ulps(h, h_t, dtype, eps, 0 if exact else 1, "h")
+    within_ulps(d_pre, pre_t.grad, dtype, eps, 0 if exact else 2, "d_pre")
+
+
+def _sequence_rows(batch_sizes, reverse):
+    """Each sequence b of a packed batch with its rows, in the order its recurrence visits them."""
+    offsets = np.concatenate([[0], np.cumsum(batch_sizes)[:-1]])
+    for b in range(batch_sizes[0]):
+        rows = [int(offsets[t]) + b for t, size in enumerate(batch_sizes) if size > b]
+        yield b, rows[::-1] if reverse else rows
+
+
+def lstm_sequence_torch(x_gates, w_hh, h0, c0, batch_sizes, reverse):
+    """The packed LSTM recurrence, one sequence and step at a time with torch's cell:
+    output, h_n, c_n and the saved activations, tanh_c, c_prev, h_prev, as lstm_sequence_forward returns them."""
+    saved = {name: [None] * x_gates.shape[0] for name in ("output", "activations", "tanh_c", "c_prev", "h_prev")}
+    h_n, c_n = [], []
+    for b, rows in _sequence_rows(batch_sizes, reverse):
+        h, c = h0[b:b + 1], c0[b:b + 1]
+        for row in rows:
+            saved["h_prev"][row], saved["c_prev"][row] = h, c
+            h, c, saved["activations"][row], saved["tanh_c"][row] = lstm_cell_torch(x_gates[row:row + 1] + h @ w_hh.T,
+                                                                                      c)  # fmt: skip
+            saved["output"][row] = h
+        h_n.append(h)
+        c_n.append(c)
+    rows = [torch.cat(saved[name]) for name in ("output", "activations", "tanh_c", "c_prev", "h_prev")]
+    return rows[0], torch.cat(h_n), torch.cat(c_n), *rows[1:]
+
+
+def gru_sequence_torch(x_gates, w_hh, b_hh, h0, batch_sizes, reverse):
+    """The packed GRU recurrence with torch's cell: output, h_n, activations, hidden_side, h_prev."""
+    saved = {name: [None] * x_gates.shape[0] for name in ("output", "activations", "hidden_side", "h_prev")}
+    h_n = []
+    for b, rows in _sequence_rows(batch_sizes, reverse):
+        h = h0[b:b + 1]
+        for row in rows:
+            saved["h_prev"][row], saved["hidden_side"][row] = h, h @ w_hh.T + b_hh
+            h, saved["activations"][row] = gru_cell_torch(x_gates[row:row + 1], saved["hidden_side"][row], h)
+            saved["output"][row] = h
+        h_n.append(h)
+    rows = [torch.cat(saved[name]) for name in ("output", "activations", "hidden_side", "h_prev")]
+    return rows[0], torch.cat(h_n), *rows[1:]
+
+
+@pytest.mark.parametrize(("dtype", "eps"), HALF_FORMATS)
+@pytest.mark.parametrize("version", ["simd", "simple"])
+def test_half_precision_lstm_sequence_matches_torch(version, dtype, eps):
+    batch_sizes = (3, 3, 2, 1)
+    x_gates, w_hh, h0 = (in_format(array, dtype) for array in packed_case(batch_sizes, 33, 4))
+    c0 = in_format(random(h0.shape, 9), dtype)
+    with metal_backend("random", True):
+        ours = kernels.lstm_sequence_forward(x_gates, w_hh, h0, c0, batch_sizes, True, version)
+    exact = lstm_sequence_torch(*(exact_of(array) for array in (x_gates, w_hh, h0, c0)), batch_sizes, True)
+    names = ["output", "h_n", "c_n", "activations", "tanh_c", "c_prev", "h_prev"]
+    for ours_array, theirs, what in zip(ours, exact, names, strict=True):
+        within_ulps(ours_array, theirs, dtype, eps, 1, what)
+
+
+@pytest.mark.parametrize(("dtype", "eps"), HALF_FORMATS)
+def test_half_precision_gru_sequence_matches_torch(dtype, eps):
+    batch_sizes = (3, 3, 2, 1)
+    x_gates, w_hh, h0 = (in_format(array, dtype) for array in packed_case(batch_sizes, 33, 3))
+    b_hh = in_format(random((3 * 33,), 7), dtype)
+    with metal_backend("random", True):
+        ours = kernels.gru_sequence_forward(x_gates, w_hh, b_hh, h0, batch_sizes, True)
+    exact = gru_sequence_torch(*(exact_of(array) for array in (x_gates, w_hh, b_hh, h0)), batch_sizes, True)
+    for ours_array, theirs, what in zip(ours, exact, ["output", "h_n", "activations", "hidden_side", "h_prev"],
+                                        strict=True):  # fmt: skip
+        within_ulps(ours_array, theirs, dtype, eps, 1, what)
+
+
+@pytest.mark.parametrize(("dtype", "eps"), HALF_FORMATS)
+def test_half_precision_embedding_gather_and_backward_match_torch(dtype, eps):
+    weight, d_out = in_format(random((9, 70), 0), dtype), in_format(random((2, 3, 70), 1), dtype)
+    indices = mx.array([[3, 1, 3], [8, 0, 3]], mx.int32)
+    table = exact_of(weight)
+    out = torch.nn.functional.embedding(
+        torch.tensor(np.array(indices).astype(np.int64)), table, padding_idx=1, scale_grad_by_freq=True
+    )
+    (out * exact_of(d_out)).sum().backward()
+    with metal_backend("random", True):
+        grad = mx.grad(
+            lambda w: (seqlib.functional.embedding(indices, w, padding_idx=1, scale_grad_by_freq=True) * d_out).sum()
+        )(weight)  # fmt: skip
+        gathered = seqlib.functional.embedding(indices, weight)
+    within_ulps(gathered, out, dtype, eps, 0, "lookup")  # a copy: exact
+    within_ulps(grad, table.grad, dtype, eps, 1, "d_weight")
+
+
+@pytest.mark.parametrize(("dtype", "eps"), HALF_FORMATS)
+@pytest.mark.parametrize("norm_type", [1.0, 2.0, float("inf"), 3.0])
+def test_half_precision_embedding_renorm_matches_torch(norm_type, dtype, eps):
+    weight = in_format(random((6, 1100), 0, 0.3), dtype)
+    rows = mx.array([5, 0, 3], mx.int32)
+    norms = torch.linalg.vector_norm(exact_of(weight)[[5, 0, 3]], ord=norm_type, dim=1).detach()
+    max_norm = 0.9 * float(norms[2])  # row 3 just outside the ball
+    with metal_backend("random", True):
+        scale = kernels.embedding_renorm_scales(weight, rows, max_norm, norm_type)
+    want = torch.where(norms > max_norm, max_norm / (norms + 1e-7), torch.ones_like(norms))
+    assert scale.dtype == mx.float32 and float(want.min()) < 1  # float32 whatever T, as in float32
+    close(scale, want.numpy(), atol=2e-6, rtol=1e-5)
+
+
+@pytest.mark.parametrize(("dtype", "eps"), HALF_FORMATS)
+@pytest.mark.parametrize(("mode", "padding_idx"), [("sum", 2), ("mean", 4), ("max", 1)])
+def test_half_precision_embedding_bag_and_gradients_match_torch(mode, padding_idx, dtype, eps):
+    weight, indices, offsets, per_sample_weights = bag_inputs(1)
+    weight, per_sample_weights = in_format(weight, dtype), in_format(per_sample_weights, dtype)
+    weighted = mode == "sum"
+    table, psw = exact_of(weight), exact_of(per_sample_weights)
+    out = torch.nn.functional.embedding_bag(
+        torch.tensor(np.array(indices).astype(np.int64)), table, torch.tensor(np.array(offsets).astype(np.int64)),
+        mode=mode, include_last_offset=True, per_sample_weights=psw if weighted else None, padding_idx=padding_idx,
+    )  # fmt: skip
+    d_out = in_format(random(out.shape, 3), dtype)
+    (out * exact_of(d_out)).sum().backward()
+
+    def loss(table, sample_weights):
+        bags = kernels.embedding_bag(indices, table, offsets, mode, sample_weights if weighted else None, True,
+                                     padding_idx)  # fmt: skip
+        return (bags * d_out).sum(), bags
+
+    with metal_backend("random", True):
+        (_, bags), grads = mx.value_and_grad(loss, argnums=(0, 1))(weight, per_sample_weights)
+    within_ulps(bags, out, dtype, eps, 0 if mode == "max" else 1, "bags")  # max: a copy of the winner, exact
+    within_ulps(grads[0], table.grad, dtype, eps, 1, "d_weight")
+    if weighted:
+        within_ulps(grads[1], psw.grad, dtype, eps, 1, "d_per_sample_weights")
 
 
 # ----------------------------------------------------------------- modules on the Metal path, held to torch
