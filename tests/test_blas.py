@@ -7,7 +7,6 @@ import subprocess
 import sys
 import textwrap
 
-import numpy as np
 import pytest
 
 import seqlib
@@ -81,11 +80,13 @@ def test_torch_speed_is_unchanged_by_the_routing(capsys):
             runs[kind].append(json.loads(result.stdout))
     assert all(run["routed"] for run in runs["routed"]) and not any(run["routed"] for run in runs["plain"])
     for op in ("matmul", "gru"):
-        routed = np.median([run[op] for run in runs["routed"]])
-        plain = np.median([run[op] for run in runs["plain"]])
+        # The fastest of three runs: noise from other processes only ever adds time, so minima compare
+        # the two settings on a shared machine where medians do not (a busy CI core doubled one median).
+        routed = min(run[op] for run in runs["routed"])
+        plain = min(run[op] for run in runs["plain"])
         with capsys.disabled():
-            print(f"\n[blas] torch {op}: {routed:.2f} ms with routing, {plain:.2f} ms without")
-        # The bug this guards against made torch's GRU 3x slower; medians here stay well under 2x.
+            print(f"\n[blas] torch {op}: {routed:.2f} ms with routing, {plain:.2f} ms without (best of 3)")
+        # The bug this guards against made torch's GRU 3x slower in every run.
         assert routed < 2.0 * plain, f"torch {op} slowed from {plain:.2f} to {routed:.2f} ms"
 
 
