@@ -157,7 +157,9 @@ def packed_case(batch_sizes, hidden_size, gate_blocks, seed=0):
     )
 
 
-SEQUENCE_CASES = [((1,), 1), ((3, 3, 2, 1), 33), ((2, 2, 2), 70), ((5, 4, 4, 1, 1), 40)]
+# (batch_sizes, H): one unit; packed, H not a multiple of 32; equal lengths; H > 256 threads: a thread loads, stores
+# and (one thread per unit) computes several units
+SEQUENCE_CASES = [((1,), 1), ((3, 3, 2, 1), 33), ((2, 2, 2), 70), ((5, 4, 4, 1, 1), 40), ((2, 1), 300)]
 
 
 def _ops_sequence(function, *arguments, num_steps):

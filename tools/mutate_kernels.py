@@ -13,17 +13,20 @@ once, imports them, and runs ``pytest.main`` in-process for mutant after mutant
 code by the hash of its text, in one cache folder for the whole run, so
 unmutated kernels compile once).  Every worker has its own copy of
 ``metal_kernels/``, read through ``SEQLIB_KERNEL_DIR``.  A mutant that crashes
-its worker or runs past ``--timeout`` counts as killed (a real run would crash
-or hang too) and the worker restarts.
+its worker or runs past ``--timeout``, twice (the second time in a fresh
+worker), counts as killed: a real run would crash or hang too.  A worker whose
+mutant wrote past a buffer (its memory may be damaged) is replaced before the
+next mutant.
 
 Each mutant is printed with its outcome, its time and the test that killed it;
 the last lines are the score, ``K of N mutants killed``, and the survivors.  A
 survivor listed in ``tools/mutation_survivors.md`` (with the argument why it is
 equivalent) is reported as such; any other survivor is a gap in the tests and
-makes the exit status 1.
+makes the exit status 1.  Rows of that file that name no current mutant, or a
+mutant that was killed, are reported too (a kernel was edited: check them).
 
     .venv/bin/python tools/mutate_kernels.py                          # 4 mutants per kernel, seeded
-    .venv/bin/python tools/mutate_kernels.py --per-kernel 0           # every mutant (~526; ~10 min on one core)
+    .venv/bin/python tools/mutate_kernels.py --per-kernel 0           # every mutant (526: ~20 min on one core)
     .venv/bin/python tools/mutate_kernels.py --per-kernel 0 --jobs 2  # in two worker processes
     .venv/bin/python tools/mutate_kernels.py --per-kernel 0 --kernel lstm_cell --kernel seqlib_math
     .venv/bin/python tools/mutate_kernels.py --per-kernel 0 --results mutants.jsonl  # one JSON line per mutant
@@ -156,15 +159,23 @@ def argued_equivalent(path: Path = SURVIVORS_FILE) -> set[str]:
 # ----------------------------------------------------------------- the worker: pytest in-process, mutant after mutant
 
 
+# Failures after which the worker's memory may be corrupt (a write past a buffer's guard zone, a fault the
+# emulation recovered from, fibers left waiting): the worker answers, then exits, and the next mutant gets a
+# fresh one, so no mutant is judged in a process an earlier mutant damaged.
+TAINTING_FAILURES = ("wrote outside output", "memory fault", "deadlock")
+
+
 class _FirstFailure:
-    """pytest plugin: the node id of the first test that failed."""
+    """pytest plugin: the node id of the first test that failed, and whether it left the process suspect."""
 
     def __init__(self):
         self.nodeid = None
+        self.tainted = False
 
     def pytest_runtest_logreport(self, report):
         if report.failed and self.nodeid is None:
             self.nodeid = report.nodeid
+            self.tainted = any(words in report.longreprtext for words in TAINTING_FAILURES)
 
 
 def serve(kernel_copy: Path, log: Path) -> None:
@@ -195,7 +206,10 @@ def serve(kernel_copy: Path, log: Path) -> None:
             path.write_text(original)
             built_kernels.cache_clear()
         seconds = time.perf_counter() - started
-        answers.write(json.dumps({"exit": int(code), "failed": first_failure.nodeid, "seconds": seconds}) + "\n")
+        answer = {"exit": int(code), "failed": first_failure.nodeid, "seconds": seconds}
+        answers.write(json.dumps({**answer, "tainted": first_failure.tainted}) + "\n")
+        if first_failure.tainted:
+            return
 
 
 class Worker:
@@ -219,14 +233,16 @@ class Worker:
         self.process = subprocess.Popen(command, cwd=ROOT, env=environment, stdin=subprocess.PIPE,
                                         stdout=subprocess.PIPE, text=True)  # fmt: skip
         self.served = 0
-        if self._answer(timeout=300) is None:
+        if "ready" not in self._answer(timeout=300):
             raise RuntimeError(f"a mutation worker did not start; see {self.folder / 'pytest.log'}")
 
-    def _answer(self, timeout: float) -> dict | None:
-        """The worker's next answer, or None if it died or stayed silent for ``timeout`` seconds."""
+    def _answer(self, timeout: float) -> dict:
+        """The worker's next answer; ``{"died": True}`` if it exited, ``{"silent": True}`` after ``timeout`` s."""
         ready, _, _ = select.select([self.process.stdout], [], [], timeout)
-        line = self.process.stdout.readline() if ready else ""
-        return json.loads(line) if line else None
+        if not ready:
+            return {"silent": True}
+        line = self.process.stdout.readline()
+        return json.loads(line) if line else {"died": True}
 
     def stop(self) -> None:
         if self.process is not None:
@@ -235,7 +251,14 @@ class Worker:
             self.process = None
 
     def run(self, mutant_name: str, file: str, text: str, tests: str, timeout: float) -> dict:
-        """Run ``tests`` against ``file`` replaced by ``text``: {"outcome", "failed", "seconds"}."""
+        """Run ``tests`` against ``file`` replaced by ``text``: {"outcome", "failed", "seconds"}.  A crash or a
+        timeout is tried once more in a fresh worker (an earlier mutant may have damaged this one's memory)."""
+        result = self._run_once(mutant_name, file, text, tests, timeout)
+        if result["outcome"] in ("crashed", "timeout"):
+            result = self._run_once(mutant_name, file, text, tests, timeout)
+        return result
+
+    def _run_once(self, mutant_name: str, file: str, text: str, tests: str, timeout: float) -> dict:
         if self.process is None or self.served >= RECYCLE_AFTER:
             self.stop()
             self._start()
@@ -246,10 +269,11 @@ class Worker:
         self.served += 1
         answer = self._answer(timeout)
         seconds = time.perf_counter() - started
-        if answer is None:
-            crashed = self.process.poll() is not None
+        if "exit" not in answer:
             self.stop()
-            return {"outcome": "crashed" if crashed else "timeout", "failed": None, "seconds": seconds}
+            return {"outcome": "crashed" if "died" in answer else "timeout", "failed": None, "seconds": seconds}
+        if answer["tainted"]:
+            self.stop()  # it has exited; the next mutant starts a fresh worker
         outcomes = {0: "survived", 1: "killed"}
         if answer["exit"] not in outcomes:  # collection errors, no tests selected: the map or the tests are broken
             log = self.folder / "pytest.log"
@@ -373,6 +397,12 @@ def main() -> None:
           f"{len(unexplained)} unexplained")  # fmt: skip
     for mutant in survivors:
         print(f"  {'equivalent' if mutant.name in argued else 'UNEXPLAINED'}: {mutant.name}")
+    every_mutant = {mutant.name for path in files for mutant in mutants(path.name, originals[path.name])}
+    killed = {mutant.name for mutant, result in results if result["outcome"] != "survived"}
+    for name in sorted(argued & killed):
+        print(f"  {SURVIVORS_FILE.name} lists as equivalent, but the tests kill it: {name}")
+    for name in sorted(name for name in argued - every_mutant if name.split()[0] in {p.name for p in files}):
+        print(f"  {SURVIVORS_FILE.name} lists a mutant the kernel no longer has: {name}")
     sys.exit(1 if unexplained else 0)
 
 
