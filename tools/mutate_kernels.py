@@ -26,7 +26,7 @@ makes the exit status 1.  Rows of that file that name no current mutant, or a
 mutant that was killed, are reported too (a kernel was edited: check them).
 
     .venv/bin/python tools/mutate_kernels.py                          # 4 mutants per kernel, seeded
-    .venv/bin/python tools/mutate_kernels.py --per-kernel 0           # every mutant (526: ~20 min on one core)
+    .venv/bin/python tools/mutate_kernels.py --per-kernel 0           # every mutant (526: 20-40 min on one shared core)
     .venv/bin/python tools/mutate_kernels.py --per-kernel 0 --jobs 2  # in two worker processes
     .venv/bin/python tools/mutate_kernels.py --per-kernel 0 --kernel lstm_cell --kernel seqlib_math
     .venv/bin/python tools/mutate_kernels.py --per-kernel 0 --results mutants.jsonl  # one JSON line per mutant
