@@ -189,14 +189,14 @@ def serve(kernel_copy: Path, log: Path) -> None:
 
     import seqlib  # noqa: F401
 
-    built_kernels = importlib.import_module("seqlib.kernels.backend")._build  # cached by kernel name
+    forget_built_kernels = importlib.import_module("seqlib.kernels.backend").forget_built_kernels
     answers.write(json.dumps({"ready": True}) + "\n")
     for line in sys.stdin:
         request = json.loads(line)
         path = kernel_copy / request["file"]
         original = path.read_text()
         path.write_text(request["text"])
-        built_kernels.cache_clear()
+        forget_built_kernels()
         first_failure = _FirstFailure()
         print(f"\n===== {request['name']}", flush=True)
         started = time.perf_counter()
@@ -204,7 +204,7 @@ def serve(kernel_copy: Path, log: Path) -> None:
             code = pytest.main([TEST_FILE, "-k", request["tests"], *PYTEST_FLAGS], plugins=[first_failure])
         finally:
             path.write_text(original)
-            built_kernels.cache_clear()
+            forget_built_kernels()
         seconds = time.perf_counter() - started
         answer = {"exit": int(code), "failed": first_failure.nodeid, "seconds": seconds}
         answers.write(json.dumps({**answer, "tainted": first_failure.tainted}) + "\n")

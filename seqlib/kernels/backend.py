@@ -39,6 +39,7 @@ __all__ = [
     "build_kernel",
     "check_kernel_dtype",
     "elementwise_launch",
+    "forget_built_kernels",
     "int_scalar",
     "kernel_dir",
     "kernel_header",
@@ -181,6 +182,12 @@ def _build(factory, spec: KernelSpec):
         ensure_row_contiguous=True,
         atomic_outputs=spec.atomic,
     )
+
+
+def forget_built_kernels() -> None:
+    """Drop the kernels built so far, so the next launch reads the ``.metal`` sources again
+    (for tools that edit the sources under ``$SEQLIB_KERNEL_DIR`` while a process runs)."""
+    _build.cache_clear()
 
 
 def build_kernel(spec: KernelSpec):
