@@ -39,7 +39,6 @@ that describe a packed batch: non-increasing, each at least 1, starting at B
 and adding up to N.  NaN propagates as in torch (relu and tanh of NaN are NaN).
 """
 
-
 from __future__ import annotations
 
 import functools

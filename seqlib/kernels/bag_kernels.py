@@ -17,7 +17,7 @@ import mlx.core as mx
 import numpy as np
 
 from seqlib._bags import BAG_MODES, bag_bounds, flatten_bags
-from seqlib._checks import check_choice, check_per_sample_weights, normalize_padding_idx
+from seqlib._checks import as_index_array, check_choice, check_per_sample_weights, normalize_padding_idx
 from seqlib.kernels.backend import T, KernelSpec, build_kernel, elementwise_launch
 from seqlib.kernels.embedding_kernels import check_kernel_table, checked_indices, padding_scalar
 
@@ -79,7 +79,7 @@ def embedding_bag(
     """
     check_kernel_table(weight)
     check_choice("mode", mode, BAG_MODES)
-    check_per_sample_weights(per_sample_weights, mode, np.shape(input), weight.dtype)
+    check_per_sample_weights(per_sample_weights, mode, as_index_array(input, "input").shape, weight.dtype)
     indices, offsets, flat_weights, include_last_offset = flatten_bags(
         input, offsets, per_sample_weights, include_last_offset
     )
