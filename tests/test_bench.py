@@ -61,3 +61,30 @@ def test_the_ratio_column_fits_a_long_baseline_name(capsys):
     assert "vs torch  vs four separate products" in header
     assert header.split() == ["implementation", "median", "ms", "vs", "torch", "vs", "four", "separate", "products",
                               "GB/s", "GFLOP/s"]  # fmt: skip
+
+
+def test_every_kernel_has_napkin_math_and_the_cases_agree_with_it():
+    from seqlib import kernels
+    from seqlib.bench import kernel_suite
+
+    assert set(kernel_suite.NAPKIN) == set(kernels.kernel_names())
+    cell = kernel_suite.napkin("lstm_cell", batch=32, hidden_size=512)
+    assert cell.bytes_moved == kernel_suite.lstm_cell_case(32, 512, backend="ops").bytes_moved
+    assert cell.flops == 30 * 32 * 512
+    gather = kernel_suite.napkin("embedding_gather", lookups=10, embedding_dim=8)
+    assert (gather.flops, gather.bytes_moved) == (0, 4 * (2 * 10 * 8 + 10))
+    sequence = kernel_suite.napkin("lstm_sequence", steps=1, batch=1, hidden_size=1024)
+    assert 0.45 < sequence.intensity < 0.55  # 8 H^2 FLOPs for 16 H^2 bytes of W_hh
+    assert sequence.seconds(100e9) == sequence.bytes_moved / 100e9
+    assert sequence.seconds(100e9, 1.0) == sequence.flops  # a slow enough chip is compute-bound
+    with pytest.raises(ValueError, match="kernel must be one of"):
+        kernel_suite.napkin("no_such_kernel")
+
+
+@pytest.mark.metal_emulation
+def test_the_quick_cases_agree_with_the_ops_path_without_timing():
+    from seqlib.bench import kernel_suite
+
+    for case in kernel_suite.quick_cases("emulate"):
+        errors = kernel_suite.max_errors(case)
+        assert errors and max(errors.values()) <= case.tolerance, (case.name, errors)
