@@ -108,7 +108,7 @@ def _renorm(rows: int = 1, embedding_dim: int = 128) -> tuple[int, int]:
 # and step, gate-math FLOPs per unit and step (on top of the 2 G H^2 FLOPs of h W_hh^T).
 NAPKIN = {
     "lstm_cell": _cell_napkin(5, 7, 30),
-    "lstm_cell_backward": _cell_napkin(9, 5, 25),
+    "lstm_cell_backward": _cell_napkin(8, 5, 25),  # d_h, d_c, activations (4), tanh_c, c_prev
     "gru_cell": _cell_napkin(7, 4, 20),
     "gru_cell_backward": _cell_napkin(8, 7, 20),
     "rnn_cell": _cell_napkin(1, 1, 1),
