@@ -16,9 +16,9 @@
 // seqlib.pointwise.lstm_pointwise.  This is the "fused pointwise" stage: the
 // ops path launches ~10 elementwise kernels per step, this one launches one.
 //
-// Napkin math per step: reads 5BH values, writes 7BH; ~30 FLOPs and 5
-// transcendentals per unit, so ~2.5 FLOPs/byte in float32: memory-bound, and
-// tiny next to the recurrent matmul h W_hh^T (8BH^2 FLOPs).
+// Napkin math per step: reads 5BH values, writes 7BH (48 bytes per unit in
+// float32); ~30 FLOPs and 5 transcendentals per unit, so ~0.6 FLOP/byte:
+// memory-bound, and tiny next to the recurrent matmul h W_hh^T (8BH^2 FLOPs).
 
 uint j = thread_position_in_grid.x;          // hidden unit
 uint b = thread_position_in_grid.y;          // batch row

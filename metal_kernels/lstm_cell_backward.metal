@@ -16,7 +16,7 @@
 // (the same formulas as seqlib.reference.lstm_backward, one step of it, and
 // the MLX-ops path seqlib.pointwise.lstm_pointwise_backward).
 //
-// Napkin math: reads 9BH values, writes 5BH; ~25 FLOPs per unit: memory-bound.
+// Napkin math: reads 8BH values, writes 5BH; ~25 FLOPs per unit: memory-bound.
 
 uint j = thread_position_in_grid.x;
 uint b = thread_position_in_grid.y;

@@ -14,7 +14,7 @@ import mlx.core as mx
 import numpy as np
 
 from seqlib.kernels import bag_kernels, embedding_kernels
-from seqlib.kernels.backend import KERNEL_DTYPES, uses_kernels
+from seqlib.kernels.runtime import KERNEL_DTYPES, uses_kernels
 from seqlib._bags import bag_bounds, bag_layout, check_bag_mode, flatten_bags
 from seqlib._checks import (
     as_index_array,

@@ -29,16 +29,21 @@ def show_source(obj) -> Code:
     return Code(inspect.getsource(obj), language="python")
 
 
-def show_kernel(name: str, dtype=None, **template) -> Code:
+def show_kernel(name: str, dtype=None, header: bool = True, **template) -> Code:
     """Syntax-highlighted source of seqlib's Metal kernel ``name`` with the signature MLX generates for it.
 
     ``dtype`` (default float32) and ``template`` values as :func:`seqlib.kernels.generated_source` takes them.
+    ``header=False`` leaves out the shared header ``seqlib_math.h`` (the same for every kernel, so a
+    chapter shows it once) and puts a one-line comment in its place.
     """
     import mlx.core as mx
 
-    from seqlib.kernels import generated_source
+    from seqlib.kernels import HEADER_NAME, generated_source, kernel_header
 
-    return Code(generated_source(name, mx.float32 if dtype is None else dtype, **template), language="cpp")
+    text = generated_source(name, mx.float32 if dtype is None else dtype, **template)
+    if not header:
+        text = text.replace(kernel_header(), f"// ... {HEADER_NAME} (the shared helpers; shown once above) ...\n", 1)
+    return Code(text, language="cpp")
 
 
 def below(error, bound: float) -> str:

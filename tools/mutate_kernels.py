@@ -189,7 +189,7 @@ def serve(kernel_copy: Path, log: Path) -> None:
 
     import seqlib  # noqa: F401
 
-    forget_built_kernels = importlib.import_module("seqlib.kernels.backend").forget_built_kernels
+    forget_built_kernels = importlib.import_module("seqlib.kernels.runtime").forget_built_kernels
     answers.write(json.dumps({"ready": True}) + "\n")
     for line in sys.stdin:
         request = json.loads(line)

@@ -2,7 +2,7 @@
 
 Layout (one module per kernel family; each launcher sits with its checks and its VJP):
 
-- :mod:`~seqlib.kernels.backend`: the ``.metal`` sources, the backend switch
+- :mod:`~seqlib.kernels.runtime`: the ``.metal`` sources, the backend switch
   (``"metal"``, ``"emulate"``, ``"ops"``, ``"auto"``) and building a kernel for it;
 - :mod:`~seqlib.kernels.cell_kernels`: one recurrent step's fused gate math
   (``lstm_cell``, ``gru_cell``, ``rnn_cell`` and their backwards);
@@ -10,7 +10,7 @@ Layout (one module per kernel family; each launcher sits with its checks and its
   (``lstm_sequence``, ``lstm_sequence_simple``, ``gru_sequence``);
 - :mod:`~seqlib.kernels.embedding_kernels`: lookups, their scatter-add gradient, renormalisation;
 - :mod:`~seqlib.kernels.bag_kernels`: bags of lookups and their gradients;
-- :mod:`~seqlib.kernels.catalog`: every kernel's :class:`~seqlib.kernels.backend.KernelSpec`
+- :mod:`~seqlib.kernels.catalog`: every kernel's :class:`~seqlib.kernels.runtime.KernelSpec`
   by name, and the source MLX generates for it.
 
 On a Mac with Metal, seqlib's modules run these kernels; elsewhere they run the
@@ -32,12 +32,17 @@ VJPs launch the backward kernels, so ``mx.grad`` and ``mlx.nn.value_and_grad``
 work through them.
 """
 
-from seqlib.kernels.backend import (
+from seqlib.kernels.runtime import (
     BACKEND_ENV,
     BACKENDS,
     HEADER_NAME,
+    KERNEL_DIR_ENV,
     KERNEL_DTYPES,
+    KernelSpec,
     backend,
+    build_kernel,
+    elementwise_launch,
+    forget_built_kernels,
     kernel_dir,
     kernel_header,
     kernel_names,
@@ -71,6 +76,7 @@ __all__ = [
     "BACKENDS",
     "BACKEND_ENV",
     "HEADER_NAME",
+    "KERNEL_DIR_ENV",
     "KERNEL_DTYPES",
     "KERNEL_SPECS",
     "LSTM_SEQUENCE_VERSIONS",
@@ -78,11 +84,15 @@ __all__ = [
     "SEQUENCE_KERNEL_MAX_BATCH",
     "SEQUENCE_KERNEL_MAX_HIDDEN",
     "BagMode",
+    "KernelSpec",
     "NormKind",
     "backend",
+    "build_kernel",
+    "elementwise_launch",
     "embedding",
     "embedding_bag",
     "embedding_renorm_scales",
+    "forget_built_kernels",
     "generated_source",
     "gru_pointwise",
     "gru_pointwise_backward",

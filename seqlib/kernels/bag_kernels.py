@@ -18,7 +18,7 @@ import numpy as np
 
 from seqlib._bags import BAG_MODES, bag_bounds, flatten_bags
 from seqlib._checks import as_index_array, check_choice, check_per_sample_weights, normalize_padding_idx
-from seqlib.kernels.backend import T, KernelSpec, build_kernel, elementwise_launch
+from seqlib.kernels.runtime import T, KernelSpec, build_kernel, elementwise_launch
 from seqlib.kernels.embedding_kernels import check_kernel_table, checked_indices, padding_scalar
 
 __all__ = ["BagMode", "embedding_bag", "pool_bags"]

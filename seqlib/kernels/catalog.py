@@ -13,7 +13,7 @@ import mlx.core as mx
 
 from seqlib.emulation import codegen
 from seqlib.kernels import bag_kernels, cell_kernels, embedding_kernels, sequence_kernels
-from seqlib.kernels.backend import T, KernelSpec, kernel_header, kernel_source
+from seqlib.kernels.runtime import T, KernelSpec, kernel_header, kernel_source
 
 __all__ = ["KERNEL_SPECS", "generated_source"]
 

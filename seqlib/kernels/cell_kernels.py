@@ -11,7 +11,7 @@ from __future__ import annotations
 import mlx.core as mx
 
 from seqlib._checks import check_choice, check_float_array, check_state
-from seqlib.kernels.backend import T, KernelSpec, build_kernel, check_kernel_dtype, elementwise_launch
+from seqlib.kernels.runtime import T, KernelSpec, build_kernel, check_kernel_dtype, elementwise_launch
 
 __all__ = [
     "NONLINEARITIES",

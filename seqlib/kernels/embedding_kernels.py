@@ -24,7 +24,7 @@ from seqlib._checks import (
     check_weight,
     normalize_padding_idx,
 )
-from seqlib.kernels.backend import T, KernelSpec, build_kernel, check_kernel_dtype, elementwise_launch, int_scalar
+from seqlib.kernels.runtime import T, KernelSpec, build_kernel, check_kernel_dtype, elementwise_launch, int_scalar
 
 __all__ = ["NormKind", "embedding", "embedding_renorm_scales", "gather_rows", "renorm_scales"]
 

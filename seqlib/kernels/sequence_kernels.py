@@ -18,7 +18,7 @@ import mlx.core as mx
 import numpy as np
 
 from seqlib._checks import check_batch_sizes, check_choice, check_float_array, check_state
-from seqlib.kernels.backend import T, KernelSpec, build_kernel, check_kernel_dtype
+from seqlib.kernels.runtime import T, KernelSpec, build_kernel, check_kernel_dtype
 
 __all__ = [
     "LSTM_SEQUENCE_VERSIONS",
