@@ -28,6 +28,15 @@ def test_recurrent_suite_runs_validates_and_prints_ratios_against_torch_and_mlx_
     assert "MISMATCH" not in result.stdout
 
 
+@pytest.mark.skipif(sys.platform != "linux", reason="the BLAS routing only exists on Linux")
+def test_blas_suite_compares_mlx_with_numpy_and_torch_with_the_routing_on_and_off():
+    result = subprocess.run([sys.executable, "-m", "seqlib.bench", "blas", "--quick", "--repeats", "3"],
+                            capture_output=True, text=True, timeout=600)  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    for expected in ("MLX / NumPy =", "(routed)", "matmul", "nn.GRU", "routed / plain ="):
+        assert expected in result.stdout
+
+
 def test_an_implementation_that_disagrees_is_never_timed():
     case = Case("disagreement", {"right": lambda: 1.0, "wrong": lambda: 2.0}, check=lambda a, b: abs(a - b))
     with pytest.raises(AssertionError, match="wrong disagrees with right"):

@@ -7,7 +7,7 @@ import argparse
 
 import seqlib  # noqa: F401  (routes MLX's BLAS before mlx.core is imported)
 
-SUITES = ("embedding", "recurrent", "kernels")
+SUITES = ("embedding", "recurrent", "kernels", "blas")
 
 
 def main() -> None:
@@ -30,6 +30,10 @@ def main() -> None:
         from seqlib.bench import kernel_suite
 
         kernel_suite.main(repeats=args.repeats or 15, quick=args.quick, emulate=args.emulate)
+    elif args.suite == "blas":
+        from seqlib.bench import blas_suite
+
+        blas_suite.main(repeats=args.repeats or 7, quick=args.quick)
 
 
 if __name__ == "__main__":
