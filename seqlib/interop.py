@@ -38,13 +38,18 @@ def from_torch(module):
     """The seqlib module equivalent to a torch module: same options, same weights.
 
     ``module`` must be exactly one of the torch.nn classes seqlib implements (a
-    subclass may compute something else, so it is refused), with its weights in
-    memory (not on the meta device).
+    subclass may compute something else, so it is refused), or a TorchScript
+    module scripted from one (``torch.jit.script(nn.LSTMCell(...))``, or a
+    sub-module of a loaded ``.jit`` model such as ``model.decoder.rnn``), with
+    its weights in memory (not on the meta device).
     """
-    name = type(module).__name__
-    if name not in _FROM_TORCH or type(module) is not torch_class(f"nn.{name}"):
+    name = _torch_nn_name(module)
+    if name is None:
         known = ", ".join(f"torch.nn.{known}" for known in sorted(_FROM_TORCH))
-        raise TypeError(f"module: expected one of {known}, got {type(module).__module__}.{type(module).__qualname__}")
+        raise TypeError(
+            f"module: expected one of {known} (or a TorchScript module scripted from one), "
+            f"got {_describe(module)}"
+        )
     meta = [key for key, tensor in module.state_dict().items() if tensor.is_meta]
     if meta:
         raise ValueError(
@@ -52,6 +57,35 @@ def from_torch(module):
             "materialise them first (module.to_empty(device='cpu'), then initialise or load weights)"
         )
     return _FROM_TORCH[name](module)
+
+
+_SCRIPTED_TORCH_NN = "__torch__.torch.nn.modules."  # how TorchScript names a class it scripted from torch.nn
+
+
+def _torch_nn_name(module) -> str | None:
+    """The torch.nn class ``module`` is (or was scripted from) if seqlib converts it, else None."""
+    name = type(module).__name__
+    if name in _FROM_TORCH and type(module) is torch_class(f"nn.{name}"):
+        return name
+    if _scripted_class(module).startswith(_SCRIPTED_TORCH_NN):
+        name = _scripted_class(module).rpartition(".")[2]
+        return name if name in _FROM_TORCH else None
+    return None
+
+
+def _scripted_class(module) -> str:
+    """``"__torch__.torch.nn.modules.rnn.LSTMCell"`` for a TorchScript module scripted from nn.LSTMCell, else ""."""
+    script_module = torch_class("jit.ScriptModule")
+    if script_module is None or not isinstance(module, script_module):
+        return ""
+    return module._c._type().qualified_name()  # the scripted class, subclasses keep their own name
+
+
+def _describe(module) -> str:
+    scripted = _scripted_class(module)
+    if scripted:
+        return f"a TorchScript module of class {scripted.removeprefix('__torch__.')}"
+    return f"{type(module).__module__}.{type(module).__qualname__}"
 
 
 # ------------------------------------------------------------------ torch's modules
@@ -89,7 +123,8 @@ def _gru_from_torch(module) -> nn.GRU:
 
 def _cell_from_torch(cls, module, **options):
     cell = cls(module.input_size, module.hidden_size, module.bias, **options)
-    return cell.load_torch_state_dict(module.state_dict())
+    cell.load_torch_state_dict(module.state_dict())
+    return cell.train(module.training)
 
 
 @register_from_torch("RNNCell")
@@ -121,7 +156,7 @@ def _embedding_from_torch(module) -> nn.Embedding:
         _torch_weight(module), freeze=not module.weight.requires_grad, padding_idx=module.padding_idx,
         max_norm=module.max_norm, norm_type=module.norm_type, scale_grad_by_freq=module.scale_grad_by_freq,
         sparse=module.sparse,
-    )  # fmt: skip
+    ).train(module.training)  # fmt: skip
 
 
 @register_from_torch("EmbeddingBag")
@@ -130,7 +165,7 @@ def _embedding_bag_from_torch(module) -> nn.EmbeddingBag:
         _torch_weight(module), freeze=not module.weight.requires_grad, max_norm=module.max_norm,
         norm_type=module.norm_type, scale_grad_by_freq=module.scale_grad_by_freq, mode=module.mode,
         sparse=module.sparse, include_last_offset=module.include_last_offset, padding_idx=module.padding_idx,
-    )  # fmt: skip
+    ).train(module.training)  # fmt: skip
 
 
 # ------------------------------------------------------------------ mlx.nn's recurrent layers
@@ -172,7 +207,8 @@ def from_mlx(module):
     elif bias:
         weights |= {"bias_ih_l0": module.bias, "bias_hh_l0": mx.zeros_like(module.bias)}
     layer.set_dtype(w_x.dtype)
-    return layer.load_torch_state_dict(weights)  # checks every shape against the layer's
+    layer.load_torch_state_dict(weights)  # checks every shape against the layer's
+    return layer
 
 
 def _shapes(*arrays) -> list:

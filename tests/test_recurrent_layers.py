@@ -208,7 +208,8 @@ def test_from_torch_keeps_training_mode_and_round_trips_through_a_state_dict(tmp
     loaded = torch.load(tmp_path / "lstm.pt")
     for key, value in theirs.state_dict().items():
         assert torch.equal(loaded[key], value), key
-    again = seqlib.nn.LSTM(3, 5, num_layers=2, bidirectional=True, proj_size=2).load_torch_state_dict(loaded)
+    again = seqlib.nn.LSTM(3, 5, num_layers=2, bidirectional=True, proj_size=2)
+    again.load_torch_state_dict(loaded)
     for key, value in ours.torch_state_dict().items():
         np.testing.assert_array_equal(again.torch_state_dict()[key], value)
 

@@ -602,14 +602,16 @@ def test_load_torch_state_dict_accepts_and_refuses_what_torchs_load_state_dict_d
     for key in reshaped & set(given_state):
         given_state[key] = torch.zeros(given_state[key].shape[0] + 1, *given_state[key].shape[1:])
     try:
-        torch.nn.LSTM(3, 2).load_state_dict(given_state, strict=strict)
+        torch_result = torch.nn.LSTM(3, 2).load_state_dict(given_state, strict=strict)
         torch_error = None
     except RuntimeError as error:
         torch_error = str(error)
     ours = seqlib.nn.LSTM(3, 2)
     before = ours.torch_state_dict()
     if torch_error is None:
-        ours.load_torch_state_dict(given_state, strict=strict)
+        result = ours.load_torch_state_dict(given_state, strict=strict)
+        assert (sorted(result.missing_keys), sorted(result.unexpected_keys)) == (
+            sorted(torch_result.missing_keys), sorted(torch_result.unexpected_keys))
         for key, value in ours.torch_state_dict().items():
             expected = given_state[key].numpy() if key in given_state else before[key]
             np.testing.assert_array_equal(value, expected, err_msg=key)
@@ -658,7 +660,8 @@ def test_load_torch_state_dict_converts_dtypes_and_layouts_as_torchs_copy_does()
         theirs = torch.nn.Embedding(4, 2)
         theirs.load_state_dict({"weight": given_value if isinstance(given_value, torch.Tensor)
                                 else torch.from_numpy(given_value)})  # fmt: skip
-        ours = seqlib.nn.Embedding(4, 2).load_torch_state_dict({"weight": given_value})
+        ours = seqlib.nn.Embedding(4, 2)
+        ours.load_torch_state_dict({"weight": given_value})
         assert_close(ours.weight, theirs.weight, rtol=0, atol=0, what=str(getattr(given_value, "dtype", "")))
 
 
