@@ -16,15 +16,19 @@ from __future__ import annotations
 
 import re
 import sysconfig
+from collections import Counter
+from collections.abc import Sequence
 from pathlib import Path
 
 import mlx.core as mx
 import numpy as np
 
-from seqlib._checks import check_positive_ints
+from seqlib._checks import as_int_vector, check_positive_ints
 
 __all__ = [
-    "ADDING_PROBLEM_BASELINE_MSE", "adding_problem", "python_source_tokens", "source_words", "stdlib_source_files",
+    "ADDING_PROBLEM_BASELINE_MSE", "CHARACTER_CORPUS_MODULES", "CharacterVocabulary", "adding_problem",
+    "character_corpus", "python_source_tokens", "source_words", "split_by_file", "stdlib_source_files",
+    "tbptt_batches",
 ]  # fmt: skip
 
 ADDING_PROBLEM_BASELINE_MSE = 1 / 6  # always predicting 1.0: the variance of a sum of two U(0, 1)
@@ -88,3 +92,133 @@ def source_words(text: str) -> list[str]:
     """The identifier-like words of ``text`` in order: maximal runs of ASCII letters, digits and ``_``
     that do not start with a digit (``3abc`` gives ``abc``)."""
     return _WORD.findall(text)
+
+
+# Pure-Python modules present in every CPython from 3.9 to 3.13 (none deprecated for removal), in name
+# order.  Their text changes from release to release, so what a model learns from them is a claim about
+# "Python's own source", not a number that every Python reproduces.
+CHARACTER_CORPUS_MODULES = (
+    "abc", "bisect", "cmd", "code", "codeop", "colorsys", "contextlib", "copy", "copyreg", "csv",
+    "fnmatch", "functools", "genericpath", "glob", "heapq", "hmac", "keyword", "linecache", "numbers",
+    "operator", "posixpath", "queue", "reprlib", "sched", "secrets", "shlex", "stat", "string",
+    "textwrap", "timeit", "types",
+)  # fmt: skip
+
+
+def character_corpus(modules: Sequence[str] = CHARACTER_CORPUS_MODULES) -> list[tuple[str, str]]:
+    """The source text of the standard library's top-level ``modules``, as ``(module name, text)`` pairs.
+
+    The default is :data:`CHARACTER_CORPUS_MODULES`, a fixed list of small modules that every recent
+    CPython ships (a few hundred KB in all), so the selection does not depend on the machine; the
+    text does depend on the Python version.  Files are read as UTF-8, in the order given.
+    """
+    if isinstance(modules, str) or not isinstance(modules, Sequence):
+        raise TypeError(f"modules: expected a sequence of module names, got {type(modules).__name__}")
+    if not modules:
+        raise ValueError("modules: expected at least one module name, got none")
+    folder = Path(sysconfig.get_paths()["stdlib"])
+    corpus = []
+    for name in modules:
+        if not isinstance(name, str) or not name.isidentifier():
+            raise ValueError(f"modules: expected module names such as 'copy', got {name!r}")
+        path = folder / f"{name}.py"
+        if not path.is_file():
+            raise FileNotFoundError(f"modules: no top-level module {name!r} in the standard library folder {folder}")
+        corpus.append((name, path.read_text(encoding="utf-8")))
+    return corpus
+
+
+def split_by_file(files: Sequence, validation_every: int = 5) -> tuple[list, list]:
+    """Split ``files`` (any sequence, e.g. :func:`character_corpus`'s pairs) into ``(train, validation)``.
+
+    Every ``validation_every``-th file (positions ``k - 1, 2k - 1, ...``) is held out whole, so no
+    validation text shares a file with training text; nothing is random.  Both parts keep the order
+    of ``files``.  At least one file must land in each part.
+    """
+    check_positive_ints(validation_every=validation_every)
+    if isinstance(files, str) or not isinstance(files, Sequence):
+        raise TypeError(f"files: expected a sequence (list or tuple), got {type(files).__name__}")
+    if validation_every < 2:
+        raise ValueError(
+            f"validation_every: expected at least 2 (1 would leave no training files), got {validation_every}"
+        )
+    if len(files) < validation_every:
+        raise ValueError(
+            f"files: expected at least validation_every={validation_every} files to hold one out, got {len(files)}"
+        )
+    train = [item for position, item in enumerate(files) if (position + 1) % validation_every]
+    validation = [item for position, item in enumerate(files) if not (position + 1) % validation_every]
+    return train, validation
+
+
+class CharacterVocabulary:
+    """Characters as integer ids: ``0`` is the unknown symbol, ``1..`` the characters seen, sorted.
+
+    ``CharacterVocabulary(text, min_count=1)`` keeps every character that occurs at least
+    ``min_count`` times in ``text`` (the training text: a character seen only in validation maps
+    to the unknown id).  ``encode(text)`` gives an int32 NumPy array (N,), ``decode(ids)`` the string,
+    with :attr:`UNKNOWN` for id 0.  ``chars[i]`` is id ``i``'s character; ``len(vocab)`` the number of ids.
+    """
+
+    UNKNOWN = "\ufffd"  # the Unicode replacement character, shown for id 0
+
+    def __init__(self, text: str, min_count: int = 1):
+        if not isinstance(text, str):
+            raise TypeError(f"text: expected a str, got {type(text).__name__}")
+        check_positive_ints(min_count=min_count)
+        counts = Counter(text)
+        kept = sorted(char for char, count in counts.items() if count >= min_count and char != self.UNKNOWN)
+        if not kept:
+            raise ValueError(f"text: no character occurs at least min_count={min_count} times (got {len(text)} chars)")
+        self.chars: list[str] = [self.UNKNOWN, *kept]
+        self._ids = {char: index for index, char in enumerate(self.chars)}
+
+    def __len__(self) -> int:
+        return len(self.chars)
+
+    def __repr__(self) -> str:
+        return f"CharacterVocabulary({len(self)} ids: unknown + {len(self) - 1} characters)"
+
+    def encode(self, text: str) -> np.ndarray:
+        """(N,) int32 ids of ``text``'s N characters; characters outside the vocabulary give 0."""
+        if not isinstance(text, str):
+            raise TypeError(f"text: expected a str, got {type(text).__name__}")
+        return np.fromiter((self._ids.get(char, 0) for char in text), dtype=np.int32, count=len(text))
+
+    def decode(self, ids) -> str:
+        """The string of a 1-D sequence of ids (MLX or NumPy array, list); id 0 shows as :attr:`UNKNOWN`."""
+        values = as_int_vector(ids, "ids")
+        if values.ndim != 1:
+            raise ValueError(f"ids: expected a 1-D sequence of ids, got shape {values.shape}")
+        if values.size and (values.min() < 0 or values.max() >= len(self)):
+            raise IndexError(
+                f"ids: every id must lie in [0, {len(self)}); got values from {values.min()} to {values.max()}"
+            )
+        return "".join(self.chars[i] for i in values.tolist())
+
+
+def tbptt_batches(ids, batch_size: int, length: int) -> list[tuple[mx.array, mx.array]]:
+    """Windows for truncated backpropagation through time: a list of ``(inputs, targets)``, each (B, L) int32.
+
+    The N ids (a 1-D MLX or NumPy integer array, or a list) are cut into ``batch_size`` = B
+    contiguous streams of S = (N - 1) // B ids each; stream b is ``ids[b*S : (b+1)*S]`` and its
+    targets are the same ids shifted by one.  Window k holds steps ``[k*L, (k+1)*L)`` of every stream,
+    so row b of window k + 1 continues row b of window k: a model may carry its state from one window
+    to the next.  There are S // L windows; the ids that do not fill a last whole window are dropped.
+    """
+    check_positive_ints(batch_size=batch_size, length=length)
+    values = as_int_vector(ids, "ids")
+    if values.ndim != 1:
+        raise ValueError(f"ids: expected a 1-D sequence of ids, got shape {values.shape}")
+    steps = (values.size - 1) // batch_size
+    if steps < length:
+        raise ValueError(
+            f"ids: {values.size} ids make streams of {steps} steps for batch_size={batch_size}, "
+            f"fewer than one window of length={length}"
+        )
+    inputs = values[: batch_size * steps].reshape(batch_size, steps).astype(np.int32)  # (B, S)
+    targets = values[1 : batch_size * steps + 1].reshape(batch_size, steps).astype(np.int32)  # (B, S)
+    return [
+        (mx.array(inputs[:, start : start + length]), mx.array(targets[:, start : start + length]))
+        for start in range(0, steps // length * length, length)
+    ]
