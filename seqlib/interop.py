@@ -67,8 +67,9 @@ def _torch_nn_name(module) -> str | None:
     name = type(module).__name__
     if name in _FROM_TORCH and type(module) is torch_class(f"nn.{name}"):
         return name
-    if _scripted_class(module).startswith(_SCRIPTED_TORCH_NN):
-        name = _scripted_class(module).rpartition(".")[2]
+    scripted = _scripted_class(module)
+    if scripted.startswith(_SCRIPTED_TORCH_NN):
+        name = scripted.rpartition(".")[2]
         return name if name in _FROM_TORCH else None
     return None
 
