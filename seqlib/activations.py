@@ -1,4 +1,4 @@
-"""``tanh`` and ``sigmoid`` from multiplies, adds and one divide: the recurrent layers' gate functions.
+r"""``tanh`` and ``sigmoid`` from multiplies, adds and one divide: the recurrent layers' gate functions.
 
 Why not ``mx.tanh``?  On x86 CPUs MLX evaluates ``exp``/``tanh``/``sigmoid`` one
 element at a time (15-20 ns per element on an AVX2 server with MLX 0.32: time
@@ -6,7 +6,9 @@ element at a time (15-20 ns per element on an AVX2 server with MLX 0.32: time
 LSTM step spends most of its time there.  A rational function needs only the
 arithmetic that compilers vectorise, and ``mx.compile`` fuses it into one loop:
 
-    tanh(x) ~ x P(x^2) / Q(x^2)  for |x| <= 7.905...,  and +-1 beyond,
+.. math::
+
+    \tanh(x) \approx x \, \frac{P(x^2)}{Q(x^2)} \quad \text{for } |x| \le 7.905\ldots, \qquad \pm 1 \text{ beyond},
 
 with P of degree 6 and Q of degree 3 in ``x^2``, fitted by ``tools/fit_tanh.py``
 (max relative error 1.6e-9 in exact arithmetic; evaluated in float32 the
@@ -25,7 +27,8 @@ import mlx.core as mx
 
 __all__ = ["TANH_CLIP", "fast_sigmoid", "fast_tanh"]
 
-TANH_CLIP = 7.90531110763549805  # beyond this, float32 tanh is within 2 ulp of +-1
+#: Where :func:`fast_tanh` stops the rational function: beyond it, float32 tanh is within 2 ulp of +-1.
+TANH_CLIP = 7.90531110763549805
 
 # Coefficients of P and Q, lowest power of x^2 first (from tools/fit_tanh.py).
 _P = (
@@ -62,7 +65,7 @@ def _as_real_array(x) -> mx.array:
 
 
 def fast_tanh(x: mx.array) -> mx.array:
-    """tanh(x) to within 3.8e-7, from arithmetic only; exactly +-1 beyond |x| = TANH_CLIP, NaN stays NaN.
+    """tanh(x) to within 3.8e-7, from arithmetic only; exactly +-1 beyond ``|x| = TANH_CLIP``, NaN stays NaN.
 
     The ratio grows like x^7 outside the fitted range (and overflows for huge x), so it is replaced
     there with a select; a select, unlike ``mx.clip``, leaves the compiled loop vectorisable."""

@@ -31,7 +31,8 @@ __all__ = [
     "tbptt_batches",
 ]  # fmt: skip
 
-ADDING_PROBLEM_BASELINE_MSE = 1 / 6  # always predicting 1.0: the variance of a sum of two U(0, 1)
+#: The adding problem's baseline: the MSE of always predicting 1.0, the variance of a sum of two U(0, 1).
+ADDING_PROBLEM_BASELINE_MSE = 1 / 6
 
 _WORD = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 
@@ -94,9 +95,11 @@ def source_words(text: str) -> list[str]:
     return _WORD.findall(text)
 
 
-# Pure-Python modules present in every CPython from 3.9 to 3.13 (none deprecated for removal), in name
-# order.  Their text changes from release to release, so what a model learns from them is a claim about
-# "Python's own source", not a number that every Python reproduces.
+#: Pure-Python modules present in every CPython from 3.9 to 3.13 (none deprecated for removal), in name
+#: order: the files of :func:`character_corpus`.  Their text changes from release to release, so what a
+#: model learns from them is a claim about "Python's own source", not a number that every Python reproduces.
+#:
+#: :meta hide-value:
 CHARACTER_CORPUS_MODULES = (
     "abc", "bisect", "cmd", "code", "codeop", "colorsys", "contextlib", "copy", "copyreg", "csv",
     "fnmatch", "functools", "genericpath", "glob", "heapq", "hmac", "keyword", "linecache", "numbers",

@@ -119,7 +119,7 @@ def embedding(
     scale_grad_by_freq: bool = False,
     sparse: bool = False,
 ) -> mx.array:
-    """Look up rows of ``weight`` (V, D) for integer ``input`` of any shape: (*) -> (*, D).
+    """Look up rows of ``weight`` (V, D) for integer ``input`` of any shape: ``(*) -> (*, D)``.
 
     - ``padding_idx``: lookups of that row return its values but send it no gradient.
     - ``max_norm``: looked-up rows are first renormalised as by :func:`embedding_renorm`.

@@ -12,7 +12,7 @@ Three levels, each checked against the next (and against PyTorch) in the tests:
 3. *Backpropagation through time by hand*: a forward over T steps that keeps
    what the backward needs, and the backward that walks the steps in reverse.
 
-PyTorch's equations (``*`` is elementwise, ``σ`` the logistic sigmoid):
+PyTorch's equations (``*`` is elementwise, ``σ`` the logistic sigmoid)::
 
     RNN   h' = tanh(W_ih x + b_ih + W_hh h + b_hh)          (or relu)
     LSTM  i, f, g, o = σ(.), σ(.), tanh(.), σ(.) of  W_ih x + b_ih + W_hh h + b_hh
@@ -299,9 +299,9 @@ def _row_norm(row: np.ndarray, norm_type: float) -> float:
 
 
 def embedding(input, weight, padding_idx=None):
-    """Look up one row of ``weight`` per index:  out[..., :] = weight[input[...], :].
+    """Look up one row of ``weight`` per index:  ``out[..., :] = weight[input[...], :]``.
 
-    input (*) integers in [0, V), weight (V, D) -> (*input.shape, D), a copy in the
+    input ``(*)`` integers in [0, V), weight (V, D) -> ``(*input.shape, D)``, a copy in the
     dtype of ``weight``.  ``padding_idx`` (negative counts from the end, as in torch)
     changes nothing here, the padding row is read like any other: it only keeps
     that row's gradient at zero (see :func:`embedding_backward`).
@@ -317,7 +317,7 @@ def embedding_backward(d_out, input, num_embeddings, padding_idx=None, scale_gra
     """The gradient of :func:`embedding` with respect to ``weight``: a scatter-add.
 
     Output row n is a copy of table row input[n], so its gradient goes back there;
-    a row looked up several times collects the sum:
+    a row looked up several times collects the sum::
 
         d_weight[v] = sum over {n : input[n] = v} of d_out[n]
 
@@ -325,7 +325,7 @@ def embedding_backward(d_out, input, num_embeddings, padding_idx=None, scale_gra
     - ``scale_grad_by_freq``: each term is divided by count(v), how often v occurs
       in ``input``, so a row's gradient is the mean of its lookups' gradients.
 
-    d_out (*input.shape, D), input (*) -> d_weight (num_embeddings, D), dtype of d_out.
+    d_out ``(*input.shape, D)``, input ``(*)`` -> d_weight (num_embeddings, D), dtype of d_out.
     """
     indices = _check_indices(input, "input")
     check_nonnegative_ints(num_embeddings=num_embeddings)
@@ -350,13 +350,13 @@ def embedding_renorm(weight, input, max_norm, norm_type=2.0):
     """Return a copy of ``weight`` whose rows referenced by ``input`` have norm at most about ``max_norm``.
 
     torch's ``embedding_renorm_`` (what ``max_norm`` does to a lookup), without the in-place
-    update.  Each distinct row v in ``input`` is rescaled once, however often it occurs:
+    update.  Each distinct row v in ``input`` is rescaled once, however often it occurs::
 
         ||w||_p = (sum_d |w_d|^p)^(1/p)        (p = norm_type; p = inf: max_d |w_d|)
         w_v <- w_v * max_norm / (||w_v||_p + 1e-7)     if ||w_v||_p > max_norm
 
     Rows not in ``input``, and rows within the limit, are returned unchanged.
-    weight (V, D), input (*) integers in [0, V) -> (V, D), dtype of weight.
+    weight (V, D), input ``(*)`` integers in [0, V) -> (V, D), dtype of weight.
     ``max_norm`` >= 0 and ``norm_type`` > 0 (torch also takes negative values; refused here).
     """
     num_embeddings = _check_table(weight).shape[0]
@@ -425,7 +425,7 @@ def embedding_bag(input, weight, offsets=None, mode="mean", per_sample_weights=N
                   padding_idx=None):  # fmt: skip
     """Pool each bag of looked-up rows into one row: torch's CPU ``embedding_bag``.
 
-    For bag b with counted entries E_b (its entries whose index is not ``padding_idx``):
+    For bag b with counted entries E_b (its entries whose index is not ``padding_idx``)::
 
         sum   out[b] = sum over n in E_b of  s[n] * weight[input[n]]     (s: per_sample_weights, else 1)
         mean  out[b] = (sum over n in E_b of weight[input[n]]) / |E_b|
@@ -473,7 +473,7 @@ def embedding_bag_backward(d_out, input, offsets, num_embeddings, mode="mean", p
     """The gradients of :func:`embedding_bag`: with respect to the table, and to ``per_sample_weights``.
 
     Every counted entry n of bag b sends its bag's output gradient back to its row
-    (padding entries send nothing):
+    (padding entries send nothing)::
 
         sum   d_weight[input[n]] += s[n] * d_out[b]     and   d_s[n] = d_out[b] · weight[input[n]]
         mean  d_weight[input[n]] += d_out[b] / |E_b|

@@ -69,6 +69,7 @@ class SparseGradient:
 
     @property
     def dtype(self) -> mx.Dtype:
+        """The dtype of ``values`` (the table's dtype), as torch's ``grad.dtype``."""
         return self.values.dtype
 
     def is_coalesced(self) -> bool:

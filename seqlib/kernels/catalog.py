@@ -17,6 +17,9 @@ from seqlib.kernels.runtime import T, KernelSpec, kernel_header, kernel_source
 
 __all__ = ["KERNEL_SPECS", "generated_source"]
 
+#: Every kernel's :class:`KernelSpec` by kernel name (``"lstm_cell"``, ``"embedding_gather"``, ...).
+#:
+#: :meta hide-value:
 KERNEL_SPECS: dict[str, KernelSpec] = {
     spec.name: spec
     for spec in (*cell_kernels.SPECS, *sequence_kernels.SPECS, *embedding_kernels.SPECS, *bag_kernels.SPECS)

@@ -23,6 +23,7 @@ __all__ = [
     "rnn_activation_backward",
 ]
 
+#: The nonlinearities of an Elman RNN (``nonlinearity`` of :class:`seqlib.nn.RNN`) that :func:`rnn_activation` takes.
 NONLINEARITIES = ("tanh", "relu")
 
 

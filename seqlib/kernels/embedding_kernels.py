@@ -87,7 +87,7 @@ def embedding(input, weight: mx.array, padding_idx: int | None = None, grad_scal
 
     input: integers in [0, V) of any shape; weight (V, D); padding_idx: a row in
     [-V, V) (negative counts from the end, as in torch) that gets no gradient, or None;
-    grad_scale: (input.size,) float factor per lookup, or None.  Returns (*input.shape, D).
+    grad_scale: (input.size,) float factor per lookup, or None.  Returns ``(*input.shape, D)``.
     The gradient is the scatter-add ``d_weight[input[n]] += grad_scale[n] * d_out[n]``.
     """
     check_kernel_table(weight)

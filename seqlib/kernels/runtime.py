@@ -57,7 +57,9 @@ _CANDIDATES = (
     _PACKAGE_DIR / "metal_kernels",  # installed wheel (package data)
     _PACKAGE_DIR.parent / "metal_kernels",  # source checkout / editable install
 )
+#: The shared header of the kernel bodies (named constants, the precise tanh), in :func:`kernel_dir`.
 HEADER_NAME = "seqlib_math.h"
+#: The environment variable that points :func:`kernel_dir` at another folder of ``.metal`` sources.
 KERNEL_DIR_ENV = "SEQLIB_KERNEL_DIR"
 
 
@@ -92,7 +94,10 @@ def kernel_header() -> str:
 
 # ----------------------------------------------------------------- backend choice
 
+#: The environment variable that picks the backend for the whole process (one of :data:`BACKENDS`).
 BACKEND_ENV = "SEQLIB_BACKEND"
+#: The backends: ``"metal"`` (the kernels on the GPU), ``"emulate"`` (the kernels on the CPU, through
+#: :mod:`seqlib.emulation`), ``"ops"`` (MLX ops only) and ``"auto"`` (``"metal"`` where Metal is there, else ``"ops"``).
 BACKENDS = ("auto", "metal", "emulate", "ops")
 _override: list[str] = []  # innermost use_backend() last
 
@@ -164,10 +169,12 @@ class KernelSpec:
 
     @property
     def input_names(self) -> tuple[str, ...]:
+        """The input buffers' names, in the order the launcher passes them (``input_names`` of the kernel)."""
         return tuple(name for name, _ in self.inputs)
 
     @property
     def output_names(self) -> tuple[str, ...]:
+        """The output buffers' names, in the order the kernel returns them (``output_names`` of the kernel)."""
         return tuple(name for name, _ in self.outputs)
 
 
@@ -197,6 +204,7 @@ def build_kernel(spec: KernelSpec):
     return _build(factory, spec)
 
 
+#: The storage dtypes the kernels take (their math is float32 whatever the storage); other dtypes run the ops path.
 KERNEL_DTYPES = (mx.float32, mx.float16, mx.bfloat16)
 
 

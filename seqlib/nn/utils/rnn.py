@@ -3,7 +3,7 @@
 A :class:`PackedSequence` stores a batch without padding, **time-major**: all
 sequences' first steps, then all second steps, and so on, longest sequences
 first.  ``batch_sizes[t]`` says how many sequences are still running at step t,
-so a recurrent layer does exactly ``batch_sizes[t]`` rows of work at step t.
+so a recurrent layer does exactly ``batch_sizes[t]`` rows of work at step t::
 
     lengths 4, 2, 1 (sorted)       data rows          batch_sizes
     a0 a1 a2 a3                    a0 b0 c0           3
@@ -44,10 +44,19 @@ __all__ = [
 
 
 class PackedSequence(NamedTuple):
-    data: mx.array  # (sum of lengths, *features), time-major
-    batch_sizes: mx.array  # (max length,) int64: sequences still running at each step
-    sorted_indices: mx.array | None = None  # (B,) int64: original position of the k-th longest
-    unsorted_indices: mx.array | None = None  # (B,) int64: the inverse permutation
+    """A batch of sequences of different lengths without padding, time-major: torch's ``PackedSequence``.
+
+    Made by :func:`pack_padded_sequence` or :func:`pack_sequence`; the recurrent layers take it as
+    input and return their output packed the same way; :func:`pad_packed_sequence` pads it again.
+    For a batch of B sequences with lengths L_1 >= ... >= L_B (after sorting), step t holds
+    ``batch_sizes[t]`` rows, the t-th step of every sequence longer than t, so ``data`` has
+    ``sum(lengths)`` rows.  A tuple, as in torch: ``data, batch_sizes, *_ = packed`` works.
+    """
+
+    data: mx.array  #: ``(sum of lengths, *features)``: every sequence's steps, time-major.
+    batch_sizes: mx.array  #: ``(max length,)`` int64: how many sequences are still running at each step.
+    sorted_indices: mx.array | None = None  #: ``(B,)`` int64: the original batch position of the k-th longest.
+    unsorted_indices: mx.array | None = None  #: ``(B,)`` int64: the inverse permutation of ``sorted_indices``.
 
     def lengths(self) -> np.ndarray:
         """Each sequence's length, in the original batch order (the sequence is checked first)."""
@@ -165,7 +174,7 @@ def _batch_sizes(sorted_lengths: np.ndarray) -> np.ndarray:
 
 
 def pack_padded_sequence(input: mx.array, lengths, batch_first: bool = False, enforce_sorted: bool = True):
-    """Pack a padded batch (T, B, *) (or (B, T, *) with ``batch_first``) of sequences with the given lengths.
+    """Pack a padded batch ``(T, B, *)`` (or ``(B, T, *)`` with ``batch_first``) of sequences with the given lengths.
 
     lengths: B integers in [1, T] (a list, NumPy, MLX or torch array); floats are refused, where
     torch truncates them.  An empty batch (T or B zero) cannot be packed, as in torch.
@@ -258,7 +267,7 @@ def _as_sequence_list(sequences) -> list[mx.array]:
 
 
 def pad_sequence(sequences, batch_first: bool = False, padding_value: float = 0.0, padding_side: str = "right"):
-    """Stack sequences of shape (L_k, *) into (T, B, *) (or (B, T, *)), padding each to the longest.
+    """Stack sequences of shape ``(L_k, *)`` into ``(T, B, *)`` (or ``(B, T, *)``), padding each to the longest.
 
     As in torch, the result has the first sequence's dtype; sequences of length 0 are allowed.
     """
@@ -280,7 +289,7 @@ def pad_sequence(sequences, batch_first: bool = False, padding_value: float = 0.
 
 
 def pack_sequence(sequences, enforce_sorted: bool = True) -> PackedSequence:
-    """Pack a list of sequences (L_k, *) of different lengths, each at least one step long."""
+    """Pack a list of sequences ``(L_k, *)`` of different lengths, each at least one step long."""
     sequences = _as_sequence_list(sequences)
     lengths = [s.shape[0] for s in sequences]
     if min(lengths) < 1:
@@ -293,7 +302,7 @@ def pack_sequence(sequences, enforce_sorted: bool = True) -> PackedSequence:
 
 
 def unpack_sequence(packed_sequences: PackedSequence) -> list[mx.array]:
-    """The list of sequences (L_k, *) in the original order: the inverse of :func:`pack_sequence`."""
+    """The list of sequences ``(L_k, *)`` in the original order: the inverse of :func:`pack_sequence`."""
     packed_sequences = check_packed_sequence(packed_sequences, "packed_sequences")
     padded, lengths = pad_packed_sequence(packed_sequences, batch_first=True)
     return [padded[b, :length] for b, length in enumerate(lengths.tolist())]
