@@ -90,7 +90,35 @@ class _Cell(TorchStateDictMixin, nn.Module):
 
 
 class RNNCell(RNNRecurrence, _Cell):
-    """``h' = tanh(W_ih x + b_ih + W_hh h + b_hh)`` (or ``relu``)."""
+    r"""One step of an Elman RNN, torch's ``nn.RNNCell``:
+
+    .. math::
+
+        h' = \tanh(W_{ih} x + b_{ih} + W_{hh} h + b_{hh})
+
+    (:math:`\max(0, \cdot)` instead of :math:`\tanh` with ``nonlinearity="relu"``).  Loop over
+    the steps yourself, or use :class:`~seqlib.nn.RNN` for whole sequences.
+
+    Args:
+        input_size: D, the number of input features.
+        hidden_size: H, the number of hidden units.
+        bias: whether the cell has ``bias_ih`` and ``bias_hh``. Default True.
+        nonlinearity: ``"tanh"`` or ``"relu"``. Default ``"tanh"``.
+
+    Inputs:
+        input: :math:`x`, ``(B, D)``, or ``(D,)`` for one example.
+        hx: :math:`h`, ``(B, H)`` (``(H,)``), or None for zeros.
+
+    Outputs:
+        h: the new state :math:`h'`, ``(B, H)`` (``(H,)`` for one example).
+
+    Weights:
+        weight_ih: :math:`W_{ih}`, ``(H, D)``.
+        weight_hh: :math:`W_{hh}`, ``(H, H)``.
+        bias_ih: :math:`b_{ih}`, ``(H,)`` (only with ``bias``).
+        bias_hh: :math:`b_{hh}`, ``(H,)`` (only with ``bias``).  Every weight starts from
+            :math:`\mathcal{U}(-1/\sqrt{H}, 1/\sqrt{H})`, as in torch.
+    """
 
     def __init__(self, input_size: int, hidden_size: int, bias: bool = True, nonlinearity: str = "tanh"):
         check_choice("nonlinearity", nonlinearity, NONLINEARITIES)
@@ -102,7 +130,41 @@ class RNNCell(RNNRecurrence, _Cell):
 
 
 class LSTMCell(LSTMRecurrence, _Cell):
-    """``c' = f * c + i * g``, ``h' = o * tanh(c')``; gates i, f, g, o from one packed (4H, D) matmul."""
+    r"""One step of an LSTM, torch's ``nn.LSTMCell``:
+
+    .. math::
+
+        \begin{aligned}
+        i &= \sigma(W_{ii} x + b_{ii} + W_{hi} h + b_{hi}) \\
+        f &= \sigma(W_{if} x + b_{if} + W_{hf} h + b_{hf}) \\
+        g &= \tanh(W_{ig} x + b_{ig} + W_{hg} h + b_{hg}) \\
+        o &= \sigma(W_{io} x + b_{io} + W_{ho} h + b_{ho}) \\
+        c' &= f \odot c + i \odot g \\
+        h' &= o \odot \tanh(c')
+        \end{aligned}
+
+    The four gates come from one matmul per side with the packed ``(4H, D)`` and ``(4H, H)``
+    weights.  Loop over the steps yourself, or use :class:`~seqlib.nn.LSTM` for whole sequences.
+
+    Args:
+        input_size: D, the number of input features.
+        hidden_size: H, the number of hidden units.
+        bias: whether the cell has ``bias_ih`` and ``bias_hh``. Default True.
+
+    Inputs:
+        input: :math:`x`, ``(B, D)``, or ``(D,)`` for one example.
+        hx: the pair :math:`(h, c)`, each ``(B, H)`` (``(H,)``), or None for zeros.
+
+    Outputs:
+        (h, c): the new states :math:`(h', c')`, each ``(B, H)`` (``(H,)`` for one example).
+
+    Weights:
+        weight_ih: :math:`W_{ii} | W_{if} | W_{ig} | W_{io}` stacked by rows, ``(4H, D)``.
+        weight_hh: :math:`W_{hi} | W_{hf} | W_{hg} | W_{ho}`, ``(4H, H)``.
+        bias_ih: :math:`b_{ii} | b_{if} | b_{ig} | b_{io}`, ``(4H,)`` (only with ``bias``).
+        bias_hh: :math:`b_{hi} | b_{hf} | b_{hg} | b_{ho}`, ``(4H,)`` (only with ``bias``).  Every
+            weight starts from :math:`\mathcal{U}(-1/\sqrt{H}, 1/\sqrt{H})`, as in torch.
+    """
 
     def __call__(self, input: mx.array, hx: tuple[mx.array, mx.array] | None = None):
         batched = self._check_input(input)
@@ -121,7 +183,38 @@ class LSTMCell(LSTMRecurrence, _Cell):
 
 
 class GRUCell(GRURecurrence, _Cell):
-    """``n = tanh(W_in x + b_in + r * (W_hn h + b_hn))``, ``h' = (1 - z) * n + z * h``; gates r, z, n."""
+    r"""One step of a GRU, torch's ``nn.GRUCell``:
+
+    .. math::
+
+        \begin{aligned}
+        r &= \sigma(W_{ir} x + b_{ir} + W_{hr} h + b_{hr}) \\
+        z &= \sigma(W_{iz} x + b_{iz} + W_{hz} h + b_{hz}) \\
+        n &= \tanh(W_{in} x + b_{in} + r \odot (W_{hn} h + b_{hn})) \\
+        h' &= (1 - z) \odot n + z \odot h
+        \end{aligned}
+
+    Loop over the steps yourself, or use :class:`~seqlib.nn.GRU` for whole sequences.
+
+    Args:
+        input_size: D, the number of input features.
+        hidden_size: H, the number of hidden units.
+        bias: whether the cell has ``bias_ih`` and ``bias_hh``. Default True.
+
+    Inputs:
+        input: :math:`x`, ``(B, D)``, or ``(D,)`` for one example.
+        hx: :math:`h`, ``(B, H)`` (``(H,)``), or None for zeros.
+
+    Outputs:
+        h: the new state :math:`h'`, ``(B, H)`` (``(H,)`` for one example).
+
+    Weights:
+        weight_ih: :math:`W_{ir} | W_{iz} | W_{in}` stacked by rows, ``(3H, D)``.
+        weight_hh: :math:`W_{hr} | W_{hz} | W_{hn}`, ``(3H, H)``.
+        bias_ih: :math:`b_{ir} | b_{iz} | b_{in}`, ``(3H,)`` (only with ``bias``).
+        bias_hh: :math:`b_{hr} | b_{hz} | b_{hn}`, ``(3H,)`` (only with ``bias``).  Every weight
+            starts from :math:`\mathcal{U}(-1/\sqrt{H}, 1/\sqrt{H})`, as in torch.
+    """
 
     def __call__(self, input: mx.array, hx: mx.array | None = None) -> mx.array:
         return self._step_one_state(input, hx)

@@ -234,7 +234,53 @@ def _dropout(rows: mx.array, probability: float) -> mx.array:
 
 
 class RNN(RNNRecurrence, _RNNBase):
-    """Elman RNN: ``h_t = tanh(W_ih x_t + b_ih + W_hh h_{t-1} + b_hh)`` (or relu), torch's ``nn.RNN``."""
+    r"""An Elman RNN over whole sequences, torch's ``nn.RNN``.
+
+    Each layer computes, at every time step t,
+
+    .. math::
+
+        h_t = \tanh(W_{ih} x_t + b_{ih} + W_{hh} h_{t-1} + b_{hh})
+
+    (:math:`\max(0, \cdot)` instead of :math:`\tanh` with ``nonlinearity="relu"``), where
+    :math:`x_t` is the input at step t for the first layer and the output :math:`h_t` of the
+    layer below for the others, and :math:`h_0` is the initial state (zeros by default).
+    Shapes name T steps, B sequences, D input features, H hidden units, L = ``num_layers``
+    and ``num_directions`` (2 if ``bidirectional``, else 1).
+
+    Args:
+        input_size: D, the number of features of each input step.
+        hidden_size: H, the number of hidden units.
+        num_layers: L, how many layers are stacked, each reading the one below. Default 1.
+        nonlinearity: ``"tanh"`` or ``"relu"``. Default ``"tanh"``.
+        bias: whether each layer has ``bias_ih`` and ``bias_hh``. Default True.
+        batch_first: input and output as ``(B, T, *)`` instead of ``(T, B, *)``; the states keep
+            their layout. Default False.
+        dropout: in training mode, the probability of zeroing each element of every layer's
+            output but the last one's (inverted dropout, as torch). Default 0.
+        bidirectional: add a second direction that reads each sequence backwards; the output
+            is the two directions' outputs concatenated. Default False.
+
+    Inputs:
+        input: ``(T, B, D)`` (``(B, T, D)`` with ``batch_first``), ``(T, D)`` for one sequence,
+            or a :class:`~seqlib.nn.utils.rnn.PackedSequence` of sequences of different lengths.
+        hx: the initial state, ``(L * num_directions, B, H)`` (``(L * num_directions, H)`` for
+            one sequence), or None for zeros.
+
+    Outputs:
+        output: the last layer's :math:`h_t` at every step, ``(T, B, num_directions * H)`` laid
+            out as ``input`` (a :class:`~seqlib.nn.utils.rnn.PackedSequence` for a packed input).
+        h_n: every layer-direction's final state, ``(L * num_directions, B, H)`` laid out as ``hx``.
+            A call returns the pair ``(output, h_n)``.
+
+    Weights:
+        weight_ih_l{k}: :math:`W_{ih}` of layer k, ``(H, D)`` for k = 0, ``(H, num_directions * H)``
+            above; the second direction's weights end in ``_reverse`` (``weight_ih_l0_reverse``).
+        weight_hh_l{k}: :math:`W_{hh}`, ``(H, H)``.
+        bias_ih_l{k}: :math:`b_{ih}`, ``(H,)`` (only with ``bias``, like ``bias_hh_l{k}``).
+        bias_hh_l{k}: :math:`b_{hh}`, ``(H,)``.  Every weight starts from
+            :math:`\mathcal{U}(-1/\sqrt{H}, 1/\sqrt{H})`, as in torch.
+    """
 
     def __init__(
         self,
@@ -253,9 +299,65 @@ class RNN(RNNRecurrence, _RNNBase):
 
 
 class LSTM(LSTMRecurrence, _RNNBase):
-    """Long short-term memory, torch's ``nn.LSTM``: gates i, f, g, o; ``c_t = f c_{t-1} + i g``, ``h_t = o tanh(c_t)``.
+    r"""Long short-term memory over whole sequences, torch's ``nn.LSTM``.
 
-    With ``proj_size = P > 0``, h is projected to P units: ``h_t = W_hr (o tanh(c_t))``.
+    Each layer computes, at every time step t, four gates from the input and the previous state
+    and updates its cell :math:`c_t` and hidden state :math:`h_t`:
+
+    .. math::
+
+        \begin{aligned}
+        i_t &= \sigma(W_{ii} x_t + b_{ii} + W_{hi} h_{t-1} + b_{hi}) \\
+        f_t &= \sigma(W_{if} x_t + b_{if} + W_{hf} h_{t-1} + b_{hf}) \\
+        g_t &= \tanh(W_{ig} x_t + b_{ig} + W_{hg} h_{t-1} + b_{hg}) \\
+        o_t &= \sigma(W_{io} x_t + b_{io} + W_{ho} h_{t-1} + b_{ho}) \\
+        c_t &= f_t \odot c_{t-1} + i_t \odot g_t \\
+        h_t &= o_t \odot \tanh(c_t)
+        \end{aligned}
+
+    where :math:`\sigma` is the logistic sigmoid, :math:`\odot` the elementwise product,
+    :math:`x_t` the input at step t (for layers above the first, the output :math:`h_t` of the
+    layer below) and :math:`h_0, c_0` the initial states (zeros by default).  With
+    ``proj_size`` P > 0 the hidden state is projected, :math:`h_t = W_{hr} (o_t \odot \tanh(c_t))`,
+    and has P units instead of H.  Shapes name T steps, B sequences, D input features, H hidden
+    units, :math:`H_{out}` (P if ``proj_size`` > 0, else H), L = ``num_layers`` and
+    ``num_directions`` (2 if ``bidirectional``, else 1).
+
+    Args:
+        input_size: D, the number of features of each input step.
+        hidden_size: H, the number of hidden units (the size of :math:`c_t`).
+        num_layers: L, how many layers are stacked, each reading the one below. Default 1.
+        bias: whether each layer has ``bias_ih`` and ``bias_hh``. Default True.
+        batch_first: input and output as ``(B, T, *)`` instead of ``(T, B, *)``; the states keep
+            their layout. Default False.
+        dropout: in training mode, the probability of zeroing each element of every layer's
+            output but the last one's (inverted dropout, as torch). Default 0.
+        bidirectional: add a second direction that reads each sequence backwards; the output
+            is the two directions' outputs concatenated. Default False.
+        proj_size: P; if above 0, project :math:`h_t` to P units with ``weight_hr``. Default 0.
+
+    Inputs:
+        input: ``(T, B, D)`` (``(B, T, D)`` with ``batch_first``), ``(T, D)`` for one sequence,
+            or a :class:`~seqlib.nn.utils.rnn.PackedSequence` of sequences of different lengths.
+        hx: the initial states as a pair ``(h_0, c_0)``, ``h_0`` ``(L * num_directions, B, H_out)``
+            and ``c_0`` ``(L * num_directions, B, H)`` (without the B axis for one sequence), or
+            None for zeros.
+
+    Outputs:
+        output: the last layer's :math:`h_t` at every step, ``(T, B, num_directions * H_out)``
+            laid out as ``input`` (a :class:`~seqlib.nn.utils.rnn.PackedSequence` for a packed input).
+        (h_n, c_n): every layer-direction's final states, laid out as ``hx``.  A call returns
+            ``(output, (h_n, c_n))``.
+
+    Weights:
+        weight_ih_l{k}: layer k's :math:`W_{ii} | W_{if} | W_{ig} | W_{io}` stacked by rows,
+            ``(4H, D)`` for k = 0, ``(4H, num_directions * H_out)`` above; the second direction's
+            weights end in ``_reverse`` (``weight_ih_l0_reverse``).
+        weight_hh_l{k}: :math:`W_{hi} | W_{hf} | W_{hg} | W_{ho}`, ``(4H, H_out)``.
+        bias_ih_l{k}: :math:`b_{ii} | b_{if} | b_{ig} | b_{io}`, ``(4H,)`` (only with ``bias``).
+        bias_hh_l{k}: :math:`b_{hi} | b_{hf} | b_{hg} | b_{ho}`, ``(4H,)`` (only with ``bias``).
+        weight_hr_l{k}: :math:`W_{hr}`, ``(P, H)``, only with ``proj_size`` > 0.  Every weight
+            starts from :math:`\mathcal{U}(-1/\sqrt{H}, 1/\sqrt{H})`, as in torch.
     """
 
     def _state_shapes(self, batch_size: int) -> list[tuple[int, ...]]:
@@ -264,7 +366,60 @@ class LSTM(LSTMRecurrence, _RNNBase):
 
 
 class GRU(GRURecurrence, _RNNBase):
-    """Gated recurrent unit, torch's ``nn.GRU``: gates r, z, n with ``n = tanh(W_in x + b_in + r (W_hn h + b_hn))``."""
+    r"""A gated recurrent unit over whole sequences, torch's ``nn.GRU``.
+
+    Each layer computes, at every time step t, a reset gate :math:`r_t`, an update gate
+    :math:`z_t` and a candidate :math:`n_t`, and mixes the candidate with the previous state:
+
+    .. math::
+
+        \begin{aligned}
+        r_t &= \sigma(W_{ir} x_t + b_{ir} + W_{hr} h_{t-1} + b_{hr}) \\
+        z_t &= \sigma(W_{iz} x_t + b_{iz} + W_{hz} h_{t-1} + b_{hz}) \\
+        n_t &= \tanh(W_{in} x_t + b_{in} + r_t \odot (W_{hn} h_{t-1} + b_{hn})) \\
+        h_t &= (1 - z_t) \odot n_t + z_t \odot h_{t-1}
+        \end{aligned}
+
+    where :math:`\sigma` is the logistic sigmoid, :math:`\odot` the elementwise product,
+    :math:`x_t` the input at step t (for layers above the first, the output :math:`h_t` of the
+    layer below) and :math:`h_0` the initial state (zeros by default).  The reset gate multiplies
+    :math:`W_{hn} h_{t-1} + b_{hn}` *after* the matmul, as in torch and cuDNN.  Shapes name T steps,
+    B sequences, D input features, H hidden units, L = ``num_layers`` and ``num_directions``
+    (2 if ``bidirectional``, else 1).
+
+    Args:
+        input_size: D, the number of features of each input step.
+        hidden_size: H, the number of hidden units.
+        num_layers: L, how many layers are stacked, each reading the one below. Default 1.
+        bias: whether each layer has ``bias_ih`` and ``bias_hh``. Default True.
+        batch_first: input and output as ``(B, T, *)`` instead of ``(T, B, *)``; the states keep
+            their layout. Default False.
+        dropout: in training mode, the probability of zeroing each element of every layer's
+            output but the last one's (inverted dropout, as torch). Default 0.
+        bidirectional: add a second direction that reads each sequence backwards; the output
+            is the two directions' outputs concatenated. Default False.
+
+    Inputs:
+        input: ``(T, B, D)`` (``(B, T, D)`` with ``batch_first``), ``(T, D)`` for one sequence,
+            or a :class:`~seqlib.nn.utils.rnn.PackedSequence` of sequences of different lengths.
+        hx: the initial state, ``(L * num_directions, B, H)`` (``(L * num_directions, H)`` for
+            one sequence), or None for zeros.
+
+    Outputs:
+        output: the last layer's :math:`h_t` at every step, ``(T, B, num_directions * H)`` laid
+            out as ``input`` (a :class:`~seqlib.nn.utils.rnn.PackedSequence` for a packed input).
+        h_n: every layer-direction's final state, ``(L * num_directions, B, H)`` laid out as ``hx``.
+            A call returns the pair ``(output, h_n)``.
+
+    Weights:
+        weight_ih_l{k}: layer k's :math:`W_{ir} | W_{iz} | W_{in}` stacked by rows, ``(3H, D)``
+            for k = 0, ``(3H, num_directions * H)`` above; the second direction's weights end in
+            ``_reverse`` (``weight_ih_l0_reverse``).
+        weight_hh_l{k}: :math:`W_{hr} | W_{hz} | W_{hn}`, ``(3H, H)``.
+        bias_ih_l{k}: :math:`b_{ir} | b_{iz} | b_{in}`, ``(3H,)`` (only with ``bias``).
+        bias_hh_l{k}: :math:`b_{hr} | b_{hz} | b_{hn}`, ``(3H,)`` (only with ``bias``).  Every
+            weight starts from :math:`\mathcal{U}(-1/\sqrt{H}, 1/\sqrt{H})`, as in torch.
+    """
 
     def __init__(
         self,
