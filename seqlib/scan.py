@@ -83,9 +83,14 @@ def _in_time_order(per_step: list) -> mx.array:
     return mx.concatenate(per_step, axis=0) if len(per_step) > 1 else per_step[0]
 
 
-def _by_step(rows: mx.array, steps) -> list[mx.array]:
-    """Packed (N, ...) rows -> one block per time step, in time order (undoes _in_time_order)."""
-    return [rows[first:first + count] for _, first, count in sorted(steps)]
+def _saved(per_kind: list[list]) -> tuple[mx.array, ...]:
+    """What the backward needs, one packed (N, ...) array per kind in time order.
+
+    Few outputs, each the size of the sequence, keep building and evaluating the graph
+    linear in T: a custom function with an output per step would give every output a
+    sibling list of length ~T, and the graph would grow as T squared.
+    """
+    return tuple(_in_time_order(arrays) for arrays in per_kind)
 
 
 def _use_whole_sequence_kernel(use_kernels: bool, batch: int, hidden_size: int) -> bool:
@@ -101,8 +106,7 @@ def _lstm_sequence_function(batch_sizes: tuple[int, ...], reverse: bool, project
     def forward(x_gates, w_hh, h0, c0, *projection):
         # x_gates (N, 4H); w_hh (4H, P); h0 (B, P); c0 (B, H); projection: (w_hr (P, H),) or ()
         if not projected and _use_whole_sequence_kernel(use_kernels, *c0.shape):
-            output, h_n, c_n, *saved = kernels.lstm_sequence_forward(x_gates, w_hh, h0, c0, batch_sizes, reverse)
-            return (output, h_n, c_n, *(block for rows in saved for block in _by_step(rows, steps)))
+            return kernels.lstm_sequence_forward(x_gates, w_hh, h0, c0, batch_sizes, reverse)
         h, c = h0, c0
         path = gate_path(x_gates, use_kernels)
         outputs, activations, tanh_cs, c_prevs, h_prevs = ([None] * num_steps for _ in range(5))
@@ -114,32 +118,33 @@ def _lstm_sequence_function(batch_sizes: tuple[int, ...], reverse: bool, project
                 h_new = h_new @ projection[0].T
             outputs[t], c_prevs[t], h_prevs[t] = h_new, c_prev, h_prev
             h, c = _update(h, h_new), _update(c, c_new)
-        return (_in_time_order(outputs), h, c, *activations, *tanh_cs, *c_prevs, *h_prevs)
+        return (_in_time_order(outputs), h, c, *_saved([activations, tanh_cs, c_prevs, h_prevs]))
 
     @forward.vjp
     def backward(primals, cotangents, outputs):
         w_hh, projection = primals[1], primals[4:]
         d_outputs, d_h, d_c = cotangents[:3]
-        saved = outputs[3:]
-        activations, tanh_cs = saved[:num_steps], saved[num_steps:2 * num_steps]
-        c_prevs, h_prevs = saved[2 * num_steps:3 * num_steps], saved[3 * num_steps:]
+        activations, tanh_cs, c_prevs, h_prevs = outputs[3:]  # packed (N, 4H), (N, H), (N, H), (N, P)
         d_gates_steps, d_outputs_steps = [None] * num_steps, [None] * num_steps
         path = "kernel" if use_kernels else "ops"
         for t, first, rows in reversed(steps):
-            d_out = d_outputs[first:first + rows] + d_h[:rows]
+            step = slice(first, first + rows)
+            d_out = d_outputs[step] + d_h[:rows]
             if projected:
                 d_outputs_steps[t] = d_out
                 d_out = d_out @ projection[0]
-            d_gates, d_c_prev = lstm_backward_on(path, d_out, d_c[:rows], activations[t], tanh_cs[t], c_prevs[t])
+            d_gates, d_c_prev = lstm_backward_on(
+                path, d_out, d_c[:rows], activations[step], tanh_cs[step], c_prevs[step]
+            )
             d_h, d_c = _update(d_h, d_gates @ w_hh), _update(d_c, d_c_prev)
             d_gates_steps[t] = d_gates
         d_x_gates = _in_time_order(d_gates_steps)
-        d_w_hh = d_x_gates.T @ _in_time_order(list(h_prevs))  # every step's weight gradient in one matmul
+        d_w_hh = d_x_gates.T @ h_prevs  # every step's weight gradient in one matmul
         grads = [d_x_gates, d_w_hh, d_h, d_c]
         if projected:
-            hidden_size = tanh_cs[0].shape[-1]  # h before the projection is o * tanh(c), o the last gate block
-            h_unprojected = [a[:, -hidden_size:] * tanh_c for a, tanh_c in zip(activations, tanh_cs, strict=True)]
-            grads.append(_in_time_order(d_outputs_steps).T @ _in_time_order(h_unprojected))
+            hidden_size = tanh_cs.shape[-1]  # h before the projection is o * tanh(c), o the last gate block
+            h_unprojected = activations[:, -hidden_size:] * tanh_cs
+            grads.append(_in_time_order(d_outputs_steps).T @ h_unprojected)
         return tuple(grads)
 
     return forward
@@ -183,8 +188,7 @@ def _gru_sequence_function(batch_sizes: tuple[int, ...], reverse: bool, use_kern
     def forward(x_gates, w_hh, b_hh, h0):
         # x_gates (N, 3H) = x @ W_ih.T + b_ih; w_hh (3H, H); b_hh (3H,); h0 (B, H)
         if _use_whole_sequence_kernel(use_kernels, *h0.shape):
-            output, h_n, *saved = kernels.gru_sequence_forward(x_gates, w_hh, b_hh, h0, batch_sizes, reverse)
-            return (output, h_n, *(block for rows in saved for block in _by_step(rows, steps)))
+            return kernels.gru_sequence_forward(x_gates, w_hh, b_hh, h0, batch_sizes, reverse)
         h = h0
         path = gate_path(x_gates, use_kernels)
         outputs, activations, hidden_sides, h_prevs = ([None] * num_steps for _ in range(4))
@@ -194,25 +198,25 @@ def _gru_sequence_function(batch_sizes: tuple[int, ...], reverse: bool, use_kern
             outputs[t], activations[t] = gru_pointwise_on(path, x_gates[first:first + rows], hidden_side, h_prev)
             hidden_sides[t], h_prevs[t] = hidden_side, h_prev
             h = _update(h, outputs[t])
-        return (_in_time_order(outputs), h, *activations, *hidden_sides, *h_prevs)
+        return (_in_time_order(outputs), h, *_saved([activations, hidden_sides, h_prevs]))
 
     @forward.vjp
     def backward(primals, cotangents, outputs):
         w_hh = primals[1]
         d_outputs, d_h = cotangents[:2]
-        saved = outputs[2:]
-        activations, hidden_sides, h_prevs = saved[:num_steps], saved[num_steps:2 * num_steps], saved[2 * num_steps:]
+        activations, hidden_sides, h_prevs = outputs[2:]  # packed (N, 3H), (N, 3H), (N, H)
         d_input_steps, d_hidden_steps = [None] * num_steps, [None] * num_steps
         path = "kernel" if use_kernels else "ops"
         for t, first, rows in reversed(steps):
-            d_out = d_outputs[first:first + rows] + d_h[:rows]
+            step = slice(first, first + rows)
+            d_out = d_outputs[step] + d_h[:rows]
             d_input_side, d_hidden_side, d_h_direct = gru_backward_on(
-                path, d_out, activations[t], hidden_sides[t], h_prevs[t]
+                path, d_out, activations[step], hidden_sides[step], h_prevs[step]
             )
             d_h = _update(d_h, mx.addmm(d_h_direct, d_hidden_side, w_hh))
             d_input_steps[t], d_hidden_steps[t] = d_input_side, d_hidden_side
         d_hidden_all = _in_time_order(d_hidden_steps)
-        d_w_hh = d_hidden_all.T @ _in_time_order(list(h_prevs))
+        d_w_hh = d_hidden_all.T @ h_prevs
         return _in_time_order(d_input_steps), d_w_hh, d_hidden_all.sum(axis=0), d_h
 
     return forward
@@ -250,13 +254,13 @@ def _rnn_sequence_function(batch_sizes: tuple[int, ...], reverse: bool, nonlinea
             pre = mx.addmm(x_gates[first:first + rows], h_prevs[t], w_hh.T)
             outputs[t] = rnn_activation_on(path, nonlinearity, pre)
             h = _update(h, outputs[t])
-        return (_in_time_order(outputs), h, *h_prevs)
+        return (_in_time_order(outputs), h, *_saved([h_prevs]))
 
     @forward.vjp
     def backward(primals, cotangents, outputs):
         w_hh = primals[1]
         d_outputs, d_h = cotangents[:2]
-        output, h_prevs = outputs[0], outputs[2:]
+        output, h_prevs = outputs[0], outputs[2]  # packed (N, H) each
         d_pre_steps = [None] * num_steps
         path = "kernel" if use_kernels else "ops"
         for t, first, rows in reversed(steps):
@@ -264,7 +268,7 @@ def _rnn_sequence_function(batch_sizes: tuple[int, ...], reverse: bool, nonlinea
             d_pre_steps[t] = rnn_activation_backward_on(path, nonlinearity, d_out, output[first:first + rows])
             d_h = _update(d_h, d_pre_steps[t] @ w_hh)
         d_x_gates = _in_time_order(d_pre_steps)
-        return d_x_gates, d_x_gates.T @ _in_time_order(list(h_prevs)), d_h
+        return d_x_gates, d_x_gates.T @ h_prevs, d_h
 
     return forward
 
