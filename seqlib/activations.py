@@ -27,7 +27,7 @@ import mlx.core as mx
 
 __all__ = ["TANH_CLIP", "fast_sigmoid", "fast_tanh"]
 
-#: Where :func:`fast_tanh` stops the rational function: beyond it, float32 tanh is within 2 ulp of +-1.
+#: Where :func:`fast_tanh` stops the rational function (beyond it, float32 tanh is within 2 ulp of +-1).
 TANH_CLIP = 7.90531110763549805
 
 # Coefficients of P and Q, lowest power of x^2 first (from tools/fit_tanh.py).

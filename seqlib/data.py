@@ -31,7 +31,7 @@ __all__ = [
     "tbptt_batches",
 ]  # fmt: skip
 
-#: The adding problem's baseline: the MSE of always predicting 1.0, the variance of a sum of two U(0, 1).
+#: The adding problem's baseline, the MSE of always predicting 1.0 (the variance of a sum of two U(0, 1)).
 ADDING_PROBLEM_BASELINE_MSE = 1 / 6
 
 _WORD = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")

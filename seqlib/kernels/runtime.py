@@ -96,8 +96,8 @@ def kernel_header() -> str:
 
 #: The environment variable that picks the backend for the whole process (one of :data:`BACKENDS`).
 BACKEND_ENV = "SEQLIB_BACKEND"
-#: The backends: ``"metal"`` (the kernels on the GPU), ``"emulate"`` (the kernels on the CPU, through
-#: :mod:`seqlib.emulation`), ``"ops"`` (MLX ops only) and ``"auto"`` (``"metal"`` where Metal is there, else ``"ops"``).
+#: The backend names. ``"metal"`` runs the kernels on the GPU, ``"emulate"`` on the CPU (through
+#: :mod:`seqlib.emulation`), ``"ops"`` uses MLX ops only, ``"auto"`` is ``"metal"`` with Metal, else ``"ops"``.
 BACKENDS = ("auto", "metal", "emulate", "ops")
 _override: list[str] = []  # innermost use_backend() last
 

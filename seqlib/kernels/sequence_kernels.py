@@ -29,9 +29,9 @@ __all__ = [
     "sequence_kernel_serves",
 ]
 
-#: The largest hidden size the sequence kernels serve: their threadgroup arrays hold 1024 floats per state vector.
+#: The largest hidden size the sequence kernels serve (their threadgroup arrays hold 1024 floats per state vector).
 SEQUENCE_KERNEL_MAX_HIDDEN = 1024
-#: The largest batch the sequence kernels serve: above it, one matmul per step beats re-reading W_hh per sequence.
+#: The largest batch the sequence kernels serve (above it, one matmul per step beats re-reading W_hh per sequence).
 SEQUENCE_KERNEL_MAX_BATCH = 8
 SEQUENCE_THREADS = 256  # 8 SIMD groups per sequence
 _STEPS = (("step_offsets", mx.int32), ("batch_sizes", mx.int32))
@@ -39,7 +39,7 @@ _LSTM_BUFFERS = (
     (("x_gates", T), ("w_hh", T), ("h0", T), ("c0", T), *_STEPS),
     tuple((name, T) for name in ("output", "h_n", "c_n", "activations", "tanh_c", "c_prev", "h_prev")),
 )
-#: The two LSTM sequence kernels by version: ``"simd"`` (one SIMD group per unit, the default) and ``"simple"``
+#: The two LSTM sequence kernels by version, ``"simd"`` (one SIMD group per unit, the default) and ``"simple"``
 #: (one thread per hidden unit), for :func:`lstm_sequence_forward`'s ``version``.
 #:
 #: :meta hide-value:

@@ -53,10 +53,14 @@ class PackedSequence(NamedTuple):
     ``sum(lengths)`` rows.  A tuple, as in torch: ``data, batch_sizes, *_ = packed`` works.
     """
 
-    data: mx.array  #: ``(sum of lengths, *features)``: every sequence's steps, time-major.
-    batch_sizes: mx.array  #: ``(max length,)`` int64: how many sequences are still running at each step.
-    sorted_indices: mx.array | None = None  #: ``(B,)`` int64: the original batch position of the k-th longest.
-    unsorted_indices: mx.array | None = None  #: ``(B,)`` int64: the inverse permutation of ``sorted_indices``.
+    #: Every sequence's steps, time-major, shape ``(sum of lengths, *features)``.
+    data: mx.array
+    #: How many sequences are still running at each step, shape ``(max length,)``, int64.
+    batch_sizes: mx.array
+    #: The original batch position of the k-th longest sequence, shape ``(B,)``, int64 (None if sorted).
+    sorted_indices: mx.array | None = None
+    #: The inverse permutation of ``sorted_indices``, shape ``(B,)``, int64 (None if sorted).
+    unsorted_indices: mx.array | None = None
 
     def lengths(self) -> np.ndarray:
         """Each sequence's length, in the original batch order (the sequence is checked first)."""
