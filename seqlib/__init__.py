@@ -12,6 +12,7 @@ _route_mlx_blas()  # must run before anything below imports mlx.core
 from seqlib import (  # noqa: E402
     activations,
     data,
+    distributed,
     emulation,
     functional,
     interop,
@@ -48,6 +49,7 @@ __all__ = [
     "activations",
     "blas_status",
     "data",
+    "distributed",
     "emulation",
     "from_torch",
     "functional",

@@ -1,0 +1,141 @@
+"""seqlib.distributed: averaging dense and sparse gradients across ranks (mx.distributed).
+
+One process: the call is a checked no-op.  Two processes: tests/distributed/train_shards.py runs
+under ``mlx.launch --backend ring -n 2`` on localhost; every rank trains on half of each batch and
+the result must match one process trained on the whole batches (run here, from the same code).
+"""
+
+import importlib.util
+import os
+import shutil
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+import seqlib
+from seqlib.distributed import average_gradients
+
+SCRIPT = Path(__file__).parent / "distributed" / "train_shards.py"
+
+# Tolerances against one process on the whole batch.  The ranks' gradient is the mean of two shard
+# sums instead of one sum over the batch: the same numbers added in another order, so it differs by
+# float32 rounding (about 1e-7 relative; the first step's embedding gradient is checked directly).
+# SGD's step is linear in the gradient: the parameters differ by about lr times that (measured: 3e-8
+# after 3 steps, the table's entries of size 3.6 included, whose ulp is 2.4e-7).  Adam divides each
+# element by its own running size, which amplifies the rounding of small gradient elements (measured:
+# 3e-7).  A wrong average (a sum instead of a mean, a lost, doubled or padded row) moves parameters by
+# 1e-3 and more.
+ATOL = {"adam": 1e-5, "sgd": 2e-6}
+
+
+def load_script():
+    spec = importlib.util.spec_from_file_location("train_shards", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def launcher() -> str | None:
+    beside = Path(sys.executable).parent / "mlx.launch"
+    return str(beside) if beside.exists() else shutil.which("mlx.launch")
+
+
+def free_port_pair() -> int:
+    """A port p with p and p + 1 free on localhost (the ring backend's ranks listen on them)."""
+    for _ in range(50):
+        with socket.socket() as probe:
+            probe.bind(("127.0.0.1", 0))
+            port = probe.getsockname()[1]
+        if port >= 65535:
+            continue
+        try:
+            with socket.socket() as first, socket.socket() as second:
+                first.bind(("127.0.0.1", port))
+                second.bind(("127.0.0.1", port + 1))
+            return port
+        except OSError:
+            continue
+    raise RuntimeError("no two consecutive free ports on 127.0.0.1")
+
+
+# ---- one process ---------------------------------------------------------------------------------------
+
+
+def sparse_gradient():
+    return seqlib.SparseGradient(mx.array([1, 3]), mx.ones((2, 2)), (5, 2))
+
+
+def test_one_process_returns_the_same_tree():
+    assert mx.distributed.init().size() == 1  # not under mlx.launch
+    tree = {"a": mx.ones((2, 3)), "b": [sparse_gradient(), (mx.zeros(4),)]}
+    assert average_gradients(tree) is tree
+    assert average_gradients(tree, mx.distributed.init()) is tree
+    leaf = sparse_gradient()
+    assert average_gradients(leaf) is leaf
+    assert average_gradients({}) == {}
+
+
+@pytest.mark.parametrize("group", ["ring", 1, [], mx.ones(1)])
+def test_a_group_of_the_wrong_type_is_refused(group):
+    with pytest.raises(TypeError, match=r"group: expected an mlx\.core\.distributed\.Group or None, got"):
+        average_gradients({"a": mx.ones(2)}, group)
+
+
+@pytest.mark.parametrize(
+    ("tree", "message"),
+    [
+        ({"a": 1.0}, r"grads\['a'\]: expected an mlx.core.array or a seqlib.sparse.SparseGradient .*got float"),
+        ({"a": [mx.ones(2), None]}, r"grads\['a.1'\]: expected .* got NoneType"),
+        ({"a": np.ones(2, np.float32)}, r"grads\['a'\]: expected .* got ndarray"),
+        ("weights", r"grads: expected .* got str"),
+        ({"a": {"b": mx.array([1, 2])}}, r"grads\['a.b'\]: expected a floating gradient, got an array of dtype"),
+    ],
+)
+def test_leaves_that_are_not_gradients_are_refused(tree, message):
+    with pytest.raises(TypeError, match=message):
+        average_gradients(tree)
+
+
+# ---- two processes ------------------------------------------------------------------------------------
+
+
+def test_two_ranks_train_exactly_like_one_process_on_the_combined_batch(tmp_path):
+    launch = launcher()
+    if launch is None:
+        pytest.skip("mlx.launch (MLX's launcher for distributed jobs) is not installed")
+    command = [launch, "--backend", "ring", "-n", "2", "--starting-port", str(free_port_pair()),
+               sys.executable, str(SCRIPT), str(tmp_path)]  # fmt: skip
+    environment = {**os.environ, "OPENBLAS_NUM_THREADS": "1", "OMP_NUM_THREADS": "1"}  # two ranks, two cores
+    result = subprocess.run(command, capture_output=True, text=True, timeout=120, stdin=subprocess.DEVNULL,
+                            env=environment)  # fmt: skip
+    output = f"mlx.launch exited with {result.returncode}\nstdout:\n{result.stdout}\nstderr:\n{result.stderr}"
+    script = load_script()
+    for config in script.CONFIGS:
+        paths = [tmp_path / f"{config}_rank{rank}.npz" for rank in (0, 1)]
+        missing = [path.name for path in paths if not path.exists()]
+        assert not missing, f"ranks did not report {missing} (the launcher may exit 0 when a rank fails)\n{output}"
+        rank0, rank1 = (dict(np.load(path)) for path in paths)
+        reference = script.train(config)  # one process, the whole batches
+
+        counts = rank0["check_rows_differ"]
+        assert counts[0] != counts[1], "the ranks should touch different numbers of rows"
+        assert rank0["check_coalesced"] and rank1["check_coalesced"]
+        assert rank0["check_sparse_vs_dense_mean"] < 1e-6
+        assert rank0["check_structure_kept"] and rank1["check_structure_kept"]
+        assert rank0["check_mismatch_refused"] and rank1["check_mismatch_refused"]
+
+        np.testing.assert_array_equal(rank0["first_rows"], reference["first_rows"])  # the same rows, once each
+        np.testing.assert_allclose(rank0["first_values"], reference["first_values"], rtol=1e-5, atol=1e-7,
+                                   err_msg=f"{config}: the averaged embedding gradient")  # fmt: skip
+        for name, value in reference.items():
+            if name.startswith("first_"):
+                continue
+            np.testing.assert_array_equal(rank0[name], rank1[name], err_msg=f"{config} {name}: ranks drifted")
+            np.testing.assert_allclose(rank0[name], value, rtol=0, atol=ATOL[config],
+                                       err_msg=f"{config} {name}: 2 ranks vs one process")  # fmt: skip
+    assert "rank 0 of 2: done" in result.stdout and "rank 1 of 2: done" in result.stdout, output
