@@ -29,7 +29,9 @@ class IncompatibleKeys(NamedTuple):
     ``unexpected_keys``: the state dict's keys that name no parameter (ignored).
     """
 
+    #: The module's parameters that the state dict did not have (they keep their values).
     missing_keys: list[str]
+    #: The state dict's keys that name no parameter of the module (ignored).
     unexpected_keys: list[str]
 
     def __repr__(self) -> str:
