@@ -80,7 +80,7 @@ def kernel_names() -> list[str]:
 
 
 def kernel_source(name: str) -> str:
-    """The text of ``metal_kernels/<name>.metal``."""
+    """The text of ``metal_kernels/<name>.metal``, the body of kernel ``name`` that MLX wraps in a signature."""
     names = kernel_names()
     if name not in names:
         raise ValueError(f"name: no Metal kernel called {name!r}; available: {', '.join(names)}")
