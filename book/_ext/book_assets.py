@@ -1,5 +1,13 @@
 """Make the built book work offline, and tidy two scripts our theme stack emits.
 
+Math: Sphinx loads MathJax 3 (``es5/tex-mml-chtml.js``) from a public CDN, so a
+reader offline sees every formula as raw TeX.  This extension fetches the same
+MathJax release from the npm registry (below, with the widget scripts) and
+points ``mathjax_path`` at the copy in ``_static/mathjax/``; MathJax finds its
+fonts (``output/chtml/fonts/woff-v2``) and the TeX extensions it autoloads
+(``\\boldsymbol``, ``\\color``, ...) relative to that file, so they come from
+the site too.  Without npm the CDN default stays, as for the widgets.
+
 Widgets: myst-nb renders saved widget state with RequireJS and
 ``@jupyter-widgets/html-manager``'s ``embed-amd.js``, by default from public
 CDNs, so a reader offline (or our browser test, which has no internet) sees an
@@ -10,6 +18,13 @@ small adapter script (``static/widgets-offline.js``).  Without npm it logs a
 note and keeps myst-nb's CDN defaults, which still work for readers online.
 The files live in ``book/vendor/``, not in a folder named ``_static``, because
 Jupyter Book injects every script under ``_static`` into every page.
+
+Encrypted kernels: ipykernel 7 warns on the terminal at every start ("Kernel is
+running over TCP without encryption") unless the kernel manager provisions
+CurveZMQ keys, which jupyter_client does with its option
+``KernelManager.transport_encryption = "auto"`` for kernelspecs that declare
+support (ipykernel's does).  myst-nb creates its kernel managers without a
+config object, so this extension sets that option's default.
 
 Duplicate scripts: sphinx-thebe adds its inline ``const THEBE_JS_URL = ...``
 twice to every page, which throws "already declared" in the browser console;
@@ -34,13 +49,25 @@ VENDOR_DIR = HERE.parent / "vendor"
 ADAPTER = "widgets-offline.js"
 REQUIRE_JS = "require-2.3.8.js"
 EMBED_JS = "embed-amd-1.0.15.js"
+# The MathJax that Sphinx 7's default mathjax_path names (mathjax@3, es5/tex-mml-chtml.js), pinned.
+MATHJAX_JS = "mathjax/es5/tex-mml-chtml.js"
+MATHJAX_FILES = (
+    "tex-mml-chtml.js",
+    "output/chtml/fonts/woff-v2/*.woff",  # the CHTML fonts
+    "input/tex/extensions/*.js",  # TeX packages that tex-mml-chtml loads on first use
+    "input/mml/extensions/*",
+    "a11y/*.js",  # what the right-click menu loads on request
+    "ui/*.js",
+)
 
 FONT_KINDS = ("woff2", "woff", "ttf", "eot", "svg")
 FONT_FOLDERS = ("@jupyter-widgets/", "@jupyter-widgets/html-manager/dist/")
 
 # npm package -> {pattern of files in its tarball: where they go under _static/
-# (a name ending in "/" is a folder that keeps the file's own name)}
+# (a name ending in "/" is a folder that keeps the file's own name; "{path}" stands for
+# the file's path inside the tarball, less the leading "package/")}
 VENDORED = {
+    "mathjax@3.2.2": {f"package/es5/{pattern}": ("mathjax/{path}",) for pattern in MATHJAX_FILES},
     "requirejs@2.3.8": {"package/require.js": (REQUIRE_JS,)},
     "@jupyter-widgets/html-manager@1.0.15": {
         "package/dist/embed-amd.js": (EMBED_JS,),
@@ -61,12 +88,13 @@ def _extract(tarball: Path, patterns: dict[str, tuple[str, ...]], into: Path) ->
                 content = archive.extractfile(member).read()
                 for destination in destinations:
                     name = Path(member.name).name if destination.endswith("/") else ""
-                    target = into / destination / name
+                    inner = member.name.removeprefix("package/")
+                    target = into / destination.format(path=inner) / name
                     target.parent.mkdir(parents=True, exist_ok=True)
                     target.write_bytes(content)
 
 
-def vendor_widget_scripts() -> bool:
+def vendor_scripts() -> bool:
     """Fill book/vendor with the pinned files; return False if they cannot be had."""
     stamp = VENDOR_DIR / ".fetched"
     wanted = repr(VENDORED)  # any change to the list fetches afresh
@@ -85,19 +113,29 @@ def vendor_widget_scripts() -> bool:
                 _extract(Path(scratch) / packed.stdout.strip().splitlines()[-1], patterns, VENDOR_DIR)
                 logger.info(f"[book_assets] vendored {spec}")
     except (OSError, subprocess.SubprocessError, tarfile.TarError) as error:
-        logger.info(f"[book_assets] could not fetch the widget scripts with npm ({error})")
+        logger.info(f"[book_assets] could not fetch the scripts with npm ({error})")
         shutil.rmtree(VENDOR_DIR, ignore_errors=True)
         return False
     stamp.write_text(wanted)
     return True
 
 
-def serve_widget_scripts_locally(app, config) -> None:
-    if not vendor_widget_scripts():
-        logger.info("[book_assets] npm not available: widgets will load their JavaScript from CDNs")
+def serve_scripts_locally(app, config) -> None:
+    if not vendor_scripts():
+        logger.info("[book_assets] npm not available: math and widgets will load their JavaScript from CDNs")
         return
     config.html_static_path = [*config.html_static_path, str(HERE / "static"), str(VENDOR_DIR)]
     config.nb_ipywidgets_js = {ADAPTER: {}, REQUIRE_JS: {}, EMBED_JS: {}}
+    config.mathjax_path = MATHJAX_JS  # relative: served from _static/
+
+
+def encrypt_kernel_transport() -> None:
+    """Have the kernels myst-nb starts in this process use CurveZMQ (when pyzmq has it)."""
+    import zmq
+    from jupyter_client.manager import KernelManager
+
+    if zmq.has("curve") and hasattr(KernelManager, "transport_encryption"):
+        KernelManager.transport_encryption.default_value = "auto"
 
 
 def drop_duplicate_scripts(app, pagename, templatename, context, doctree) -> None:
@@ -112,6 +150,7 @@ def drop_duplicate_scripts(app, pagename, templatename, context, doctree) -> Non
 
 
 def setup(app):
-    app.connect("config-inited", serve_widget_scripts_locally)
+    encrypt_kernel_transport()
+    app.connect("config-inited", serve_scripts_locally)
     app.connect("html-page-context", drop_duplicate_scripts, priority=900)
     return {"parallel_read_safe": True, "parallel_write_safe": True}

@@ -3,88 +3,21 @@
 Needs the site in _build/html (``make book``) and Debian's Chromium; run with
 ``make browser-test`` (``make test`` runs it too).  The browser gets no
 internet: every request that leaves 127.0.0.1 is aborted, so the pages must
-work offline, and console errors from our own pages fail the test.
+work offline, and console errors from our own pages fail the test.  The
+fixtures and page loading are in ``conftest.py`` beside this file.
 """
 
 from __future__ import annotations
 
-import functools
-import http.server
-import os
-import shutil
-import threading
-from pathlib import Path
-
 import pytest
+from conftest import SCREENSHOTS, open_page, site_pages, skip_or_fail_without_prerequisites, wait_for_math
 
 pytestmark = pytest.mark.browser
 
-ROOT = Path(__file__).resolve().parents[2]
-SITE = ROOT / "_build" / "html"
-SCREENSHOTS = ROOT / "_build" / "screenshots"
-CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
-CHROMIUM_FLAGS = [
-    "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-    "--disable-background-networking", "--disable-component-update", "--disable-sync",
-]  # fmt: skip
-CONTENT_PAGES = sorted(
-    path.relative_to(SITE).as_posix()
-    for folder in ("book", "chapters")
-    for path in (SITE / folder).glob("*.html")
-) if SITE.exists() else []  # fmt: skip
+CONTENT_PAGES = site_pages("book", "chapters")
 CHAPTER_PAGES = [page for page in CONTENT_PAGES if page.startswith("chapters/")]
 
-if not SITE.exists() or CHROMIUM is None:
-    missing = "the built site (run `make book`)" if not SITE.exists() else "Chromium (apt-get install chromium)"
-    if os.environ.get("CI"):
-        pytest.fail(f"the browser test needs {missing}", pytrace=False)
-    pytest.skip(f"needs {missing}", allow_module_level=True)
-
-
-@pytest.fixture(scope="module")
-def site_url():
-    handler = functools.partial(QuietHandler, directory=str(SITE))
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    yield f"http://127.0.0.1:{server.server_address[1]}"
-    server.shutdown()
-
-
-class QuietHandler(http.server.SimpleHTTPRequestHandler):
-    def log_message(self, *args):
-        pass
-
-
-@pytest.fixture(scope="module")
-def browser():
-    from playwright.sync_api import sync_playwright
-
-    with sync_playwright() as playwright:
-        browser = playwright.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_FLAGS)
-        yield browser
-        browser.close()
-
-
-def open_page(browser, site_url: str, page_path: str):
-    """Load a page offline; return it with the console errors raised by our own files."""
-    page = browser.new_page(viewport={"width": 1280, "height": 900})
-    errors: list[str] = []
-
-    def is_ours(url: str) -> bool:
-        return url.startswith(site_url) or url == ""
-
-    page.route("**/*", lambda route: route.continue_() if is_ours(route.request.url) else route.abort())
-    page.on("console", lambda m: errors.append(m.text) if m.type == "error" and is_ours(m.location["url"]) else None)
-    page.on("pageerror", lambda error: errors.append(f"uncaught: {error}"))
-    page.on("requestfailed", lambda r: errors.append(f"failed: {r.url}") if is_ours(r.url) else None)
-    response = page.goto(f"{site_url}/{page_path}", wait_until="load")
-    assert response is not None and response.ok, f"{page_path}: HTTP {response and response.status}"
-    # index.html is a meta-refresh to book/intro.html: wait for the page it lands on, not a fixed delay
-    # (300 ms was not always enough for the first page of a fresh browser on a loaded 2-core machine).
-    page.wait_for_selector("main", state="attached", timeout=20_000)
-    page.wait_for_load_state("load")
-    page.wait_for_timeout(300)
-    return page, errors
+skip_or_fail_without_prerequisites()
 
 
 @pytest.mark.parametrize("page_path", ["index.html", *CONTENT_PAGES])
@@ -123,4 +56,46 @@ def test_chapter_shows_figures_widgets_and_a_playable_animation(browser, site_ur
     page.locator("main .animation .anim-slider").first.dispatch_event("input")
     assert frame.get_attribute("src") != first_src, f"{page_path}: the animation does not step"
     page.close()
+    assert errors == [], f"{page_path}: console errors: {errors}"
+
+
+@pytest.mark.parametrize("page_path", CHAPTER_PAGES)
+def test_chapter_math_is_typeset_offline_with_fonts_from_the_site(browser, site_url, page_path):
+    page, errors = open_page(browser, site_url, page_path)
+    started = wait_for_math(page)
+    math = page.evaluate(
+        """() => {
+            const spans = [...document.querySelectorAll('main .math')];
+            const untypeset = spans.filter(s => !s.querySelector('mjx-container'));
+            // the text of a math element outside MathJax's output: what a reader would see as raw TeX
+            const leftover = spans.map(s => {
+                const copy = s.cloneNode(true);
+                copy.querySelectorAll('mjx-container, .eqno').forEach(c => c.remove());  // .eqno: "(1)#"
+                return copy.textContent.trim();
+            }).filter(text => text !== '');
+            const fonts = [...document.fonts].filter(f => f.family.startsWith('MJX'));
+            return {
+                spans: spans.length,
+                typeset: document.querySelectorAll('main mjx-container').length,
+                untypeset: untypeset.map(s => s.textContent.slice(0, 60)),
+                leftover: leftover.map(t => t.slice(0, 60)),
+                errors: [...document.querySelectorAll('main mjx-merror')].map(e => e.textContent.slice(0, 60)),
+                fonts_loaded: fonts.filter(f => f.status === 'loaded').map(f => f.family),
+                fonts_failed: fonts.filter(f => f.status === 'error').map(f => f.family),
+                mathjax: [...document.scripts].map(s => s.src).filter(src => src.includes('mathjax')),
+            };
+        }"""
+    )
+    page.close()
+    assert started, f"{page_path}: MathJax never started (scripts: {math['mathjax']}; console: {errors})"
+    assert math["mathjax"] and all(src.startswith(site_url) for src in math["mathjax"]), (
+        f"{page_path}: MathJax is not served by the site: {math['mathjax']}"
+    )
+    assert math["spans"] >= 1 and math["typeset"] >= math["spans"], f"{page_path}: {math}"
+    assert math["untypeset"] == [], f"{page_path}: formulas left as TeX: {math['untypeset'][:5]}"
+    assert math["leftover"] == [], f"{page_path}: raw TeX next to typeset math: {math['leftover'][:5]}"
+    assert math["errors"] == [], f"{page_path}: MathJax errors: {math['errors'][:5]}"
+    assert math["fonts_loaded"] and math["fonts_failed"] == [], (
+        f"{page_path}: MathJax fonts loaded {math['fonts_loaded']}, failed {math['fonts_failed']}"
+    )
     assert errors == [], f"{page_path}: console errors: {errors}"
