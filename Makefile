@@ -19,31 +19,62 @@ OTHER_NUMERICS := OMP_NUM_THREADS=1 OPENBLAS_NUM_THREADS=1
 endif
 
 .DEFAULT_GOAL := help
-.PHONY: help book test lab unit unit-emulate nbval nbval-numerics lint book-strict browser-test clean
+.PHONY: help book test lab unit unit-emulate nbval nbval-numerics lint book-strict browser-test screenshot clean
 
 help:  ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-13s %s\n", $$1, $$2}'
 
+# pip prints what it collects, downloads and installs, with progress bars. PYTHONWARNINGS drops
+# exactly one note that setuptools prints on every editable install of a package with a
+# package-dir mapping (metal_kernels/ -> seqlib/metal_kernels): "Editable installation. Please be
+# careful with folders in your working directory with the same name as your package".
+PIP := PYTHONWARNINGS="ignore:Editable installation" $(BIN)/python -m pip
+
+# On Linux PyPI's torch wheel brings several GB of CUDA libraries; the book and the tests use
+# the CPU. tools/install-torch.sh installs the pinned torch's CPU build from PyTorch's CPU index
+# first (on macOS PyPI's wheel is the CPU/MPS one already, and the script does nothing).
+TORCH_PIN := $(shell sed -n 's/^\(torch==[0-9.]*\).*/\1/p' requirements.txt)
+
 $(BIN)/python:
-	@echo "==> creating a virtual environment in $(VENV) with $$($(PYTHON) --version)"
+	@echo "==> [1/4] creating a virtual environment in $(VENV) with $$($(PYTHON) --version)"
 	@$(PYTHON) -c 'import sys; sys.exit("Python 3.10 or newer is needed") if sys.version_info < (3, 10) else None'
 	$(PYTHON) -m venv $(VENV)
+	@echo "==> [1/4] upgrading pip in $(VENV)"
 	$(BIN)/python -m pip install --quiet --upgrade pip
 
-$(VENV)/.book-installed: requirements.txt pyproject.toml | $(BIN)/python
-	@echo "==> installing seqlib and the book's requirements (requirements.txt)"
-	$(BIN)/pip install --quiet -r requirements.txt
+$(VENV)/.torch-installed: requirements.txt | $(BIN)/python
+	@sh tools/install-torch.sh "$(BIN)/python" "$(TORCH_PIN)"
+	@touch $@
+
+$(VENV)/.book-installed: requirements.txt pyproject.toml | $(VENV)/.torch-installed
+	@echo "==> [3/4] installing the book's requirements (requirements.txt: MLX, Jupyter Book, matplotlib, ...)"
+	@echo "    and seqlib itself, editable, from this folder"
+	$(PIP) install -r requirements.txt
 	@touch $@
 
 $(VENV)/.test-installed: requirements-test.txt $(VENV)/.book-installed
-	@echo "==> installing the test tools (requirements-test.txt)"
-	$(BIN)/pip install --quiet -r requirements-test.txt
+	@echo "==> [4/4] installing the test tools (requirements-test.txt: pytest, nbval, ruff, playwright, ...)"
+	$(PIP) install -r requirements-test.txt
 	@touch $@
 
-book: $(VENV)/.book-installed  ## build the book into _build/html (runs every chapter)
+# The book is rebuilt (every chapter executed) only when something it is made from changed: the
+# chapters, the library, the kernels, the book's own pages and extension, its configuration, or
+# the requirements. `make test` right after `make book` reuses the build; `make clean` forces one.
+BOOK_STAMP   := _build/.book-built
+BOOK_SOURCES := $(wildcard chapters/*.ipynb _config.yml _toc.yml requirements.txt pyproject.toml metal_kernels/*) \
+                $(shell find seqlib book -type f \( -name '*.py' -o -name '*.c' -o -name '*.h' -o -name '*.md' \
+                    -o -name '*.bib' -o -name '*.js' -o -name '*.css' -o -name '*.rst' -o -name '*.svg' -o -name '*.png' \
+                    -o -name '*.wav' -o -name '*.ipynb' \) -not -path 'book/vendor/*' -not -name 'screenshot*.png' -not -path '*/__pycache__/*' \
+                    -not -path '*/.ipynb_checkpoints/*' 2>/dev/null)
+
+book: $(BOOK_STAMP)  ## build the book into _build/html (runs every chapter; skipped when nothing changed)
+	@echo "==> the book in _build/html matches its sources: open _build/html/index.html"
+
+$(BOOK_STAMP): $(BOOK_SOURCES) $(VENV)/.book-installed
 	@echo "==> building the book: every notebook is executed; any error or warning fails the build"
+	@rm -f $@
 	$(BIN)/jupyter-book build --all -W --keep-going .
-	@echo "==> done: open _build/html/index.html"
+	@touch $@
 
 test: lint unit unit-emulate book nbval nbval-numerics browser-test  ## everything: ruff, unit tests (ops and emulated kernels), book, nbval (twice), browser check
 	@echo "==> all checks passed"
@@ -76,6 +107,10 @@ browser-test: $(VENV)/.test-installed  ## open the built site in headless Chromi
 	@echo "==> browser check of _build/html in headless Chromium"
 	@sh tools/ensure-chromium.sh
 	$(BIN)/python -m pytest tests/browser
+
+screenshot: $(VENV)/.test-installed book  ## regenerate the README's screenshot from the built book (headless Chromium)
+	@sh tools/ensure-chromium.sh
+	$(BIN)/python tools/screenshot.py --out book/assets/screenshot.png
 
 lab: $(VENV)/.book-installed  ## open the chapters in JupyterLab
 	$(BIN)/jupyter lab chapters/
