@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import sys
 
-from sphinx.ext.autodoc import DataDocumenter, ModuleDocumenter, ObjectMember
+from sphinx.ext.autodoc import ModuleDocumenter
 from sphinx.pycode import ModuleAnalyzer
 from sphinx.errors import PycodeError
 
@@ -27,7 +27,7 @@ def constant_comment(modname: str, attrname: str) -> list[str]:
     """
     module = sys.modules.get(modname)
     value = getattr(module, attrname, _MISSING)
-    candidates = [modname] + sorted(name for name in sys.modules if name.startswith(modname + "."))
+    candidates = [modname, *sorted(name for name in sys.modules if name.startswith(modname + "."))]
     for candidate in candidates:
         if getattr(sys.modules.get(candidate), attrname, _MISSING) is not value:
             continue
@@ -42,25 +42,28 @@ def constant_comment(modname: str, attrname: str) -> list[str]:
     return []
 
 
-_data_module_comment = DataDocumenter.get_module_comment
 _module_members = ModuleDocumenter.get_module_members
 
 
-def _get_module_comment(self, attrname):
-    return _data_module_comment(self, attrname) or constant_comment(self.modname, attrname) or None
-
-
 def _get_module_members(self):
-    members = _module_members(self)
-    for name, member in members.items():
-        if not member.docstring and not callable(member.object) and not isinstance(member.object, type(sys)):
+    """Autodoc's members of a module, with the comments of re-exported constants added to its analyzer.
+
+    Autodoc documents a module-level name as data only if the module's analyzer has a comment for
+    it (``attr_docs``); giving the analyzer the comment from the defining submodule makes the
+    constant documented, under the name the package exports it by.
+    """
+    if self.analyzer is not None:
+        attr_docs = self.analyzer.find_attr_docs()
+        for name in getattr(self.object, "__all__", []):
+            value = getattr(self.object, name, None)
+            if ("", name) in attr_docs or callable(value) or isinstance(value, type(sys)):
+                continue
             comment = constant_comment(self.modname, name)
             if comment:
-                members[name] = ObjectMember(name, member.object, docstring="\n".join(comment))
-    return members
+                attr_docs["", name] = comment
+    return _module_members(self)
 
 
 def setup(app):
-    DataDocumenter.get_module_comment = _get_module_comment
     ModuleDocumenter.get_module_members = _get_module_members
     return {"parallel_read_safe": True, "parallel_write_safe": True}
