@@ -9,6 +9,7 @@ lookup or kernel runs.
 
 from __future__ import annotations
 
+import itertools
 import math
 
 import mlx.core as mx
@@ -160,19 +161,21 @@ def check_batch_sizes(batch_sizes, total_rows: int | None = None, batch: int | N
     They must be a non-empty 1-D integer sequence, non-increasing, each at least 1,
     starting at ``batch`` and adding up to ``total_rows`` (the rows of ``rows_name``) where given.
     """
-    sizes = as_int_vector(batch_sizes, name)
-    if sizes.ndim != 1 or sizes.size == 0:
-        raise ValueError(f"{name}: expected a non-empty 1-D sequence, got shape {sizes.shape}")
-    shown = sizes.tolist()[:12]
-    if sizes.min() < 1 or np.any(np.diff(sizes) > 0):
+    if isinstance(batch_sizes, (list, tuple)) and batch_sizes and all(type(s) is int for s in batch_sizes):
+        sizes = tuple(batch_sizes)  # the layers' own lists: no NumPy round trip
+    else:
+        vector = as_int_vector(batch_sizes, name)
+        if vector.ndim != 1 or vector.size == 0:
+            raise ValueError(f"{name}: expected a non-empty 1-D sequence, got shape {vector.shape}")
+        sizes = tuple(vector.tolist())
+    shown = list(sizes[:12])
+    if sizes[-1] < 1 or any(later > earlier for earlier, later in itertools.pairwise(sizes)):
         raise ValueError(f"{name}: expected non-increasing sizes, each at least 1, got {shown}")
     if batch is not None and sizes[0] != batch:
         raise ValueError(f"{name}: expected the first size to be the batch size {batch}, got {shown}")
-    if total_rows is not None and int(sizes.sum()) != total_rows:
-        raise ValueError(
-            f"{name}: they add up to {int(sizes.sum())} rows, but {rows_name} has {total_rows} rows"
-        )
-    return tuple(shown if sizes.size <= 12 else sizes.tolist())
+    if total_rows is not None and sum(sizes) != total_rows:
+        raise ValueError(f"{name}: they add up to {sum(sizes)} rows, but {rows_name} has {total_rows} rows")
+    return sizes
 
 
 def check_float_array(value, name: str, shape: tuple | None = None, dtype=None) -> None:

@@ -34,10 +34,14 @@ __all__ = [
     "gate_path",
     "gru_pointwise",
     "gru_pointwise_backward",
+    "gru_step",
+    "is_traced",
     "lstm_pointwise",
     "lstm_pointwise_backward",
+    "lstm_step",
     "rnn_activation",
     "rnn_activation_backward",
+    "rnn_step",
 ]
 
 
@@ -73,6 +77,15 @@ def _compiles_here(x: mx.array) -> bool:
     return _compiled_traces == before
 
 
+def is_traced(*arrays: mx.array) -> bool:
+    """Whether any of ``arrays`` is being traced by an MLX transformation (``mx.grad``, ``mx.vjp``,
+    ``mx.vmap``, ``mx.compile``), so that a gradient may be taken through what is computed from it.
+
+    Also True where ``mx.compile`` cannot run: callers then take the path that serves every case.
+    """
+    return not all(_compiles_here(array) for array in arrays)
+
+
 def _sigmoid(tanh, x):
     return 0.5 * tanh(0.5 * x) + 0.5
 
@@ -97,6 +110,28 @@ def _lstm_pointwise(tanh, gates, c_prev, scale, shift):
 
 
 _lstm_pointwise_compiled = _compile(functools.partial(_lstm_pointwise, fast_tanh))
+
+
+def _lstm_step(x_gates, h_prev, c_prev, w_hh, scale, shift):
+    gates = mx.addmm(x_gates, h_prev, w_hh.T)
+    return _lstm_pointwise(fast_tanh, gates, c_prev, scale, shift)[:2]
+
+
+_lstm_step_compiled = _compile(_lstm_step)
+
+
+def lstm_step(x_gates: mx.array, h_prev: mx.array, c_prev: mx.array, w_hh: mx.array):
+    """One LSTM step for inference, the recurrent matmul and the gate math compiled into one call.
+
+    ``gates = x_gates + h_prev @ w_hh.T``, then :func:`lstm_pointwise`'s math; returns
+    ``h (B, H), c (B, H)`` and saves nothing for a backward.  x_gates: (B, 4H) the input side
+    ``x @ W_ih.T + b_ih + b_hh``; h_prev: (B, P); c_prev: (B, H); w_hh: (4H, P).  Arguments are
+    not checked: callers (:mod:`seqlib.scan`, the layers' ``step``) have checked them.  Under
+    a transformation (:func:`is_traced`) use the sequence functions of :mod:`seqlib.scan`, whose
+    backward is written by hand.
+    """
+    scale, shift = _lstm_activation_constants(c_prev.shape[-1], c_prev.dtype)
+    return _lstm_step_compiled(x_gates, h_prev, c_prev, w_hh, scale, shift)
 
 
 def gate_path(x: mx.array, use_kernels: bool | None = None) -> str:
@@ -180,6 +215,22 @@ def _gru_pointwise(tanh, input_side, hidden_side, h_prev):
 _gru_pointwise_compiled = _compile(functools.partial(_gru_pointwise, fast_tanh))
 
 
+@_compile
+def _gru_step(x_gates, h_prev, w_hh, b_hh):
+    hidden_side = mx.addmm(b_hh, h_prev, w_hh.T)
+    return _gru_pointwise(fast_tanh, x_gates, hidden_side, h_prev)[0]
+
+
+def gru_step(x_gates: mx.array, h_prev: mx.array, w_hh: mx.array, b_hh: mx.array) -> mx.array:
+    """One GRU step for inference, compiled into one call: the new ``h (B, H)``, nothing saved.
+
+    ``hidden_side = h_prev @ w_hh.T + b_hh``, then :func:`gru_pointwise`'s math.  x_gates: (B, 3H)
+    the input side ``x @ W_ih.T + b_ih``; h_prev: (B, H); w_hh: (3H, H); b_hh: (3H,).  Not checked,
+    and not for use under a transformation, as :func:`lstm_step`.
+    """
+    return _gru_step(x_gates, h_prev, w_hh, b_hh)
+
+
 def gru_pointwise(input_side: mx.array, hidden_side: mx.array, h_prev: mx.array, compiled: bool | None = None):
     """The GRU's gate math for one step, with PyTorch's ``n = tanh(i_n + r * (W_hn h + b_hn))``.
 
@@ -252,6 +303,26 @@ def rnn_activation_backward_on(path: str, nonlinearity: str, d_h, h):
     if nonlinearity == "tanh":
         return _tanh_backward(d_h, h)
     return mx.where(h <= 0, 0, d_h)  # torch's threshold_backward: a NaN output passes its gradient on
+
+
+@_compile
+def _rnn_tanh_step(x_gates, h_prev, w_hh):
+    return fast_tanh(mx.addmm(x_gates, h_prev, w_hh.T))
+
+
+@_compile
+def _rnn_relu_step(x_gates, h_prev, w_hh):
+    return mx.maximum(mx.addmm(x_gates, h_prev, w_hh.T), 0)
+
+
+def rnn_step(x_gates: mx.array, h_prev: mx.array, w_hh: mx.array, nonlinearity: str = "tanh") -> mx.array:
+    """One Elman RNN step for inference, compiled into one call: ``act(x_gates + h_prev @ w_hh.T)``.
+
+    x_gates: (B, H) the input side ``x @ W_ih.T + b_ih + b_hh``; h_prev: (B, H); w_hh: (H, H).
+    Not checked, and not for use under a transformation, as :func:`lstm_step`.
+    """
+    step = _rnn_tanh_step if nonlinearity == "tanh" else _rnn_relu_step
+    return step(x_gates, h_prev, w_hh)
 
 
 def rnn_activation(pre: mx.array, nonlinearity: str = "tanh", compiled: bool | None = None) -> mx.array:

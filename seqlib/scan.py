@@ -16,6 +16,11 @@ one) all end here.  The structure is the one fast implementations share
    ``d_gates.T @ h_prev``.  Autodiff through the loop would build the weight
    gradient from T small products and is several times slower.
 
+Only a call that a transformation traces (``mx.grad``, ``mx.vjp``, ``mx.compile``: see
+:func:`seqlib.pointwise.is_traced`) needs the backward.  Any other call is inference: it
+runs the loop alone, one compiled step (:func:`seqlib.pointwise.lstm_step` and its kin)
+per time step, and saves nothing.  Both give the same numbers.
+
 Sequences are *packed*: row-major by time step, ``batch_sizes[t]`` rows at step
 t, longest sequences first, exactly like :class:`seqlib.nn.utils.rnn.PackedSequence`.
 An ordinary (T, B) batch is the special case ``batch_sizes = (B,) * T``.  At step
@@ -51,10 +56,14 @@ from seqlib.pointwise import (
     gate_path,
     gru_backward_on,
     gru_pointwise_on,
+    gru_step,
+    is_traced,
     lstm_backward_on,
     lstm_pointwise_on,
+    lstm_step,
     rnn_activation_backward_on,
     rnn_activation_on,
+    rnn_step,
 )
 
 __all__ = ["gru_sequence", "lstm_sequence", "rnn_sequence"]
@@ -63,13 +72,19 @@ __all__ = ["gru_sequence", "lstm_sequence", "rnn_sequence"]
 # ----------------------------------------------------------------- the sequence loop
 
 
-def _steps(batch_sizes: tuple[int, ...], reverse: bool):
+@functools.lru_cache(maxsize=512)
+def _steps(batch_sizes: tuple[int, ...], reverse: bool) -> tuple[tuple[int, int, int], ...]:
     """(t, first row, number of rows) for each step, in the order they are computed."""
     offsets = [0]
     for size in batch_sizes[:-1]:
         offsets.append(offsets[-1] + size)
-    steps = list(zip(range(len(batch_sizes)), offsets, batch_sizes, strict=True))
+    steps = tuple(zip(range(len(batch_sizes)), offsets, batch_sizes, strict=True))
     return steps[::-1] if reverse else steps
+
+
+def _first_rows(state: mx.array, rows: int) -> mx.array:
+    """The state of the sequences still running at a step: its first ``rows`` rows."""
+    return state if rows == state.shape[0] else state[:rows]
 
 
 def _update(state: mx.array, new_rows: mx.array) -> mx.array:
@@ -95,6 +110,46 @@ def _saved(per_kind: list[list]) -> tuple[mx.array, ...]:
 
 def _use_whole_sequence_kernel(use_kernels: bool, batch: int, hidden_size: int) -> bool:
     return use_kernels and kernels.sequence_kernel_serves(batch, hidden_size)
+
+
+# ----------------------------------------------------------------- inference: the forward alone
+#
+# When no transformation traces the arguments (pointwise.is_traced), no gradient can be taken
+# through the result: the loops below run one compiled step per time step and save nothing,
+# with no custom function around them.
+
+
+def _lstm_inference(x_gates, w_hh, h0, c0, steps, w_hr):
+    h, c = h0, c0
+    outputs = [None] * len(steps)
+    for t, first, rows in steps:
+        h_new, c_new = lstm_step(x_gates[first:first + rows], _first_rows(h, rows), _first_rows(c, rows), w_hh)
+        if w_hr is not None:
+            h_new = h_new @ w_hr.T
+        outputs[t] = h_new
+        h, c = _update(h, h_new), _update(c, c_new)
+    return _in_time_order(outputs), h, c
+
+
+def _gru_inference(x_gates, w_hh, b_hh, h0, steps):
+    h = h0
+    outputs = [None] * len(steps)
+    for t, first, rows in steps:
+        outputs[t] = gru_step(x_gates[first:first + rows], _first_rows(h, rows), w_hh, b_hh)
+        h = _update(h, outputs[t])
+    return _in_time_order(outputs), h
+
+
+def _rnn_inference(x_gates, w_hh, h0, steps, nonlinearity):
+    h = h0
+    outputs = [None] * len(steps)
+    for t, first, rows in steps:
+        outputs[t] = rnn_step(x_gates[first:first + rows], _first_rows(h, rows), w_hh, nonlinearity)
+        h = _update(h, outputs[t])
+    return _in_time_order(outputs), h
+
+
+# ----------------------------------------------------------------- training: a custom function with its backward
 
 
 @functools.lru_cache(maxsize=512)
@@ -173,8 +228,10 @@ def lstm_sequence(x_gates, w_hh, h0, c0, batch_sizes, reverse=False, w_hr=None):
     """
     batch_sizes = _check_lstm_sequence(x_gates, w_hh, h0, c0, batch_sizes, w_hr)
     use_kernels = kernels.uses_kernels()
-    function = _lstm_sequence_function(batch_sizes, bool(reverse), w_hr is not None, use_kernels)
     projection = () if w_hr is None else (w_hr,)
+    if not use_kernels and not is_traced(x_gates, w_hh, h0, c0, *projection):
+        return _lstm_inference(x_gates, w_hh, h0, c0, _steps(batch_sizes, bool(reverse)), w_hr)
+    function = _lstm_sequence_function(batch_sizes, bool(reverse), w_hr is not None, use_kernels)
     output, h_n, c_n = function(x_gates, w_hh, h0, c0, *projection)[:3]
     return output, h_n, c_n
 
@@ -233,7 +290,10 @@ def gru_sequence(x_gates, w_hh, b_hh, h0, batch_sizes, reverse=False):
     check_float_array(w_hh, "w_hh", (3 * hidden_size, hidden_size), h0.dtype)
     check_float_array(b_hh, "b_hh", (3 * hidden_size,), h0.dtype)
     batch_sizes = check_batch_sizes(batch_sizes, x_gates.shape[0], batch, rows_name="x_gates")
-    function = _gru_sequence_function(batch_sizes, bool(reverse), kernels.uses_kernels())
+    use_kernels = kernels.uses_kernels()
+    if not use_kernels and not is_traced(x_gates, w_hh, b_hh, h0):
+        return _gru_inference(x_gates, w_hh, b_hh, h0, _steps(batch_sizes, bool(reverse)))
+    function = _gru_sequence_function(batch_sizes, bool(reverse), use_kernels)
     output, h_n = function(x_gates, w_hh, b_hh, h0)[:2]
     return output, h_n
 
@@ -284,6 +344,8 @@ def rnn_sequence(x_gates, w_hh, h0, batch_sizes, reverse=False, nonlinearity="ta
     check_float_array(w_hh, "w_hh", (hidden_size, hidden_size), h0.dtype)
     batch_sizes = check_batch_sizes(batch_sizes, x_gates.shape[0], batch, rows_name="x_gates")
     use_kernels = kernels.uses_kernels()
+    if not use_kernels and not is_traced(x_gates, w_hh, h0):
+        return _rnn_inference(x_gates, w_hh, h0, _steps(batch_sizes, bool(reverse)), nonlinearity)
     function = _rnn_sequence_function(batch_sizes, bool(reverse), nonlinearity, use_kernels)
     output, h_n = function(x_gates, w_hh, h0)[:2]
     return output, h_n

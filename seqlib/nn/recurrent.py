@@ -137,6 +137,48 @@ class _RNNBase(TorchStateDictMixin, nn.Module):
             output = output.swapaxes(0, 1)
         return output, final
 
+    def step(self, input: mx.array, hx=None):
+        """One time step of every layer, for streaming: feed ``x_t`` and the carried state.
+
+        ``layer.step(x_t, hx)`` gives what ``layer(x_t[None], hx)`` gives (``x_t[:, None]`` with
+        ``batch_first``) with the time axis dropped, without building a sequence around it:
+        outside ``mx.grad`` each layer is one compiled step (see :mod:`seqlib.scan`).
+
+        Args:
+            input: :math:`x_t`, ``(B, D)``, or ``(D,)`` for one sequence.
+            hx: the state carried from the previous step, as for a call: ``h`` (``(h, c)`` for
+                the LSTM), each ``(L, B, P)`` (``(L, P)`` unbatched), or None for zeros.
+
+        Returns:
+            ``(output, h_n)`` (``(output, (h_n, c_n))`` for the LSTM): output ``(B, P)`` is the
+            last layer's new h, and the new states have hx's shapes.  A bidirectional layer
+            cannot step (its reverse direction starts at the end of the sequence): a ValueError.
+        """
+        if self.bidirectional:
+            raise ValueError(
+                "step: a bidirectional layer cannot run one step at a time (its reverse direction reads the "
+                "sequence from its end); call it on the whole sequence"
+            )
+        if not isinstance(input, mx.array):
+            raise TypeError(f"input: expected an mlx.core.array, got {type(input).__name__}")
+        self._check_dtype("input", input, "weight_ih_l0")
+        if input.ndim not in (1, 2) or input.shape[-1] != self.input_size:
+            raise ValueError(
+                f"input: expected shape (batch, input_size={self.input_size}) or ({self.input_size},) for one "
+                f"step, got {tuple(input.shape)}"
+            )
+        batched = input.ndim == 2
+        rows = input if batched else input[None]  # (B, D)
+        batch_size = rows.shape[0]
+        states = self._initial_states(hx, batch_size, batched)
+        if batch_size == 0:
+            output = mx.zeros((0, self.output_size), states[0].dtype)
+        else:
+            output, states = self._run_layers(rows, [batch_size], states)
+        if not batched:
+            output, states = output[0], [state[:, 0] for state in states]
+        return output, tuple(states) if len(states) > 1 else states[0]
+
     def _empty_outputs(self, steps: int, states: list[mx.array]):
         """The outputs for a batch of no sequences: (T, 0, dirs * P) (or (0, T, .)) and the empty states."""
         shape = (steps, 0, self.num_directions * self.output_size)

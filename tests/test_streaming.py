@@ -1,0 +1,122 @@
+"""Streaming: ``layer.step(x_t, state)``, one time step of a whole stack with a carried state.
+
+Stepping a sequence one step at a time must give torch's layer on the whole sequence, the
+same outputs and states as a call on a sequence of one step, and the same gradients.
+"""
+
+import mlx.core as mx
+import numpy as np
+import pytest
+import torch
+from mlx.utils import tree_flatten, tree_map
+from torch_reference import assert_close
+
+import seqlib
+
+KINDS = ("RNN", "LSTM", "GRU")
+
+
+def layer_pair(kind, input_size=3, hidden_size=5, **options):
+    torch.manual_seed(0)
+    theirs = getattr(torch.nn, kind)(input_size, hidden_size, **options)
+    return seqlib.from_torch(theirs), theirs
+
+
+def as_state(kind, state):
+    """torch's state (h or (h, c)) as MLX arrays, or None."""
+    if state is None:
+        return None
+    if kind == "LSTM":
+        return tuple(mx.array(s.detach().numpy()) for s in state)
+    return mx.array(state.detach().numpy())
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("options", [{}, {"num_layers": 3}, {"num_layers": 2, "bias": False}, {"batch_first": True}])
+def test_stepping_a_sequence_gives_torch_on_the_whole_sequence(kind, options):
+    ours, theirs = layer_pair(kind, **options)
+    steps, batch = 7, 2
+    x = np.random.default_rng(1).standard_normal((steps, batch, 3)).astype(np.float32)
+    x_torch = torch.from_numpy(x.swapaxes(0, 1).copy() if options.get("batch_first") else x)
+    with torch.no_grad():
+        want_output, want_state = theirs(x_torch)
+    want_output = want_output.numpy().swapaxes(0, 1) if options.get("batch_first") else want_output.numpy()
+    state = None
+    for t in range(steps):
+        output, state = ours.step(mx.array(x[t]), state)
+        assert_close(output, want_output[t], what=f"output at step {t}")
+    for mine, want in zip(_leaves(state), _leaves(as_state(kind, want_state)), strict=True):
+        assert_close(mine, np.array(want), what="final state")
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_step_equals_a_call_on_one_step_batched_unbatched_and_projected(kind):
+    options = {"num_layers": 2, "proj_size": 2} if kind == "LSTM" else {"num_layers": 2}
+    ours, _ = layer_pair(kind, **options)
+    rng = np.random.default_rng(2)
+    x = mx.array(rng.standard_normal((4, 3)).astype(np.float32))
+    sizes = [(2, 4, ours.output_size)] + ([(2, 4, 5)] if kind == "LSTM" else [])
+    state = [mx.array(rng.standard_normal(size).astype(np.float32)) for size in sizes]
+    state = tuple(state) if kind == "LSTM" else state[0]
+    output, new_state = ours.step(x, state)
+    want_output, want_state = ours(x[None], state)
+    assert output.shape == (4, ours.output_size)
+    assert_close(output, np.array(want_output[0]), rtol=0, atol=0)
+    for mine, want in zip(_leaves(new_state), _leaves(want_state), strict=True):
+        assert mine.shape == want.shape
+        assert_close(mine, np.array(want), rtol=0, atol=0)
+    unbatched_output, unbatched_state = ours.step(x[0], tree_map(lambda s: s[:, 0], state))
+    assert_close(unbatched_output, np.array(output[0]), rtol=0, atol=0)
+    for mine, want in zip(_leaves(unbatched_state), _leaves(new_state), strict=True):
+        assert_close(mine, np.array(want[:, 0]), rtol=0, atol=0)
+
+
+def _leaves(state):
+    return list(state) if isinstance(state, tuple) else [state]
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_gradients_through_steps_equal_those_through_the_call(kind):
+    ours, _ = layer_pair(kind, num_layers=2)
+    x = mx.array(np.random.default_rng(3).standard_normal((5, 2, 3)).astype(np.float32))
+
+    def stepped(parameters):
+        ours.update(parameters)
+        state, total = None, 0.0
+        for t in range(x.shape[0]):
+            output, state = ours.step(x[t], state)
+            total = total + (output * (t + 1)).sum()
+        return total
+
+    def called(parameters):
+        ours.update(parameters)
+        output, _ = ours(x)
+        return (output * mx.arange(1, 6, dtype=mx.float32)[:, None, None]).sum()
+
+    parameters = ours.trainable_parameters()
+    ours_grads = dict(tree_flatten(mx.grad(stepped)(parameters)))
+    want_grads = dict(tree_flatten(mx.grad(called)(parameters)))
+    assert ours_grads.keys() == want_grads.keys()
+    for name, gradient in ours_grads.items():
+        assert_close(gradient, np.array(want_grads[name]), rtol=1e-5, atol=1e-5, what=name)
+
+
+def test_a_bidirectional_layer_refuses_to_step_and_bad_inputs_are_named():
+    with pytest.raises(ValueError, match="bidirectional"):
+        seqlib.nn.LSTM(3, 4, bidirectional=True).step(mx.zeros((1, 3)))
+    layer = seqlib.nn.GRU(3, 4)
+    with pytest.raises(ValueError, match=r"input: expected shape \(batch, input_size=3\)"):
+        layer.step(mx.zeros((2, 5, 3)))
+    with pytest.raises(ValueError, match="input"):
+        layer.step(mx.zeros((2, 4)))
+    with pytest.raises(TypeError, match="input"):
+        layer.step(np.zeros((2, 3), np.float32))
+    with pytest.raises(TypeError, match="dtype"):
+        layer.step(mx.zeros((2, 3), mx.float16))
+    with pytest.raises(ValueError, match="hx"):
+        layer.step(mx.zeros((2, 3)), mx.zeros((1, 3, 4)))
+
+
+def test_an_empty_batch_steps_to_empty_outputs():
+    output, (h, c) = seqlib.nn.LSTM(3, 4, num_layers=2).step(mx.zeros((0, 3)))
+    assert (output.shape, h.shape, c.shape) == ((0, 4), (2, 0, 4), (2, 0, 4))
