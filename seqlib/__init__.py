@@ -1,13 +1,13 @@
 """seqlib: PyTorch-compatible embeddings and recurrent networks for MLX.
 
 The library the book *Embeddings and Recurrent Networks in MLX* builds chapter by
-chapter.  Import it before ``mlx.core`` on Linux: the import routes MLX's matmuls
-to an optimised BLAS (see :mod:`seqlib._blas`).
+chapter.  On Linux its import routes MLX's matmuls to an optimised BLAS, whether
+``mlx.core`` was imported before it or not (see :mod:`seqlib._blas`).
 """
 
 from seqlib._blas import route_mlx_blas as _route_mlx_blas
 
-_route_mlx_blas()  # must run before anything below imports mlx.core
+_route_mlx_blas()  # best before anything below imports mlx.core (else it rebinds MLX)
 
 from seqlib import (  # noqa: E402
     activations,
