@@ -148,7 +148,27 @@ def _check_state(name: str, state, parameter: mx.array) -> None:
 
 
 class SGD(_TorchOptimizer):
-    """torch.optim.SGD: ``buf = momentum * buf + (1 - dampening) * g`` (``buf = g`` at first), ``p -= lr * buf``."""
+    r"""Stochastic gradient descent with momentum, torch's ``optim.SGD``.
+
+    With gradient :math:`g_t` of parameter :math:`p` at its step t (plus
+    :math:`\lambda p` with ``weight_decay`` :math:`\lambda`, dense gradients only):
+
+    .. math::
+
+        b_1 = g_1, \qquad b_t = \mu\, b_{t-1} + (1 - \tau)\, g_t, \qquad
+        p \leftarrow p - \eta\, b_t \quad (\text{or } p - \eta\,(g_t + \mu\, b_t) \text{ with Nesterov}),
+
+    and :math:`p \leftarrow p - \eta\, g_t` without momentum (:math:`\mu = 0`).  The buffer
+    starts at :math:`g_1`, as torch's does (``mlx.optimizers.SGD`` starts it at zero).  A
+    :class:`~seqlib.sparse.SparseGradient` without momentum updates only its rows.
+
+    Args:
+        learning_rate: :math:`\eta`, a number or a schedule (a function of the step).
+        momentum: :math:`\mu`. Default 0.
+        weight_decay: :math:`\lambda`, the L2 penalty added to dense gradients. Default 0.
+        dampening: :math:`\tau`. Default 0.
+        nesterov: use Nesterov momentum (needs momentum > 0 and dampening 0). Default False.
+    """
 
     def __init__(self, learning_rate, momentum: float = 0.0, weight_decay: float = 0.0, dampening: float = 0.0,
                  nesterov: bool = False):  # fmt: skip
@@ -186,7 +206,27 @@ class SGD(_TorchOptimizer):
 
 
 class Adagrad(_TorchOptimizer):
-    """torch.optim.Adagrad: ``sum += g**2``, ``p -= lr / (1 + (t - 1) * lr_decay) * g / (sqrt(sum) + eps)``."""
+    r"""Adagrad, torch's ``optim.Adagrad``: a step per coordinate that shrinks with its gradients' history.
+
+    With gradient :math:`g_t` of parameter :math:`p` at its step t (plus :math:`\lambda p` with
+    ``weight_decay`` :math:`\lambda`, dense gradients only):
+
+    .. math::
+
+        s_t = s_{t-1} + g_t^2, \qquad
+        p \leftarrow p - \frac{\eta}{1 + (t - 1)\,\delta} \cdot \frac{g_t}{\sqrt{s_t} + \epsilon},
+
+    elementwise, with :math:`s_0` = ``initial_accumulator_value``.  A
+    :class:`~seqlib.sparse.SparseGradient` updates :math:`s` and :math:`p` only in its rows
+    (repeated rows summed first), as torch does with a sparse gradient.
+
+    Args:
+        learning_rate: :math:`\eta`. Default 0.01.
+        lr_decay: :math:`\delta`. Default 0.
+        weight_decay: :math:`\lambda`, the L2 penalty added to dense gradients. Default 0.
+        initial_accumulator_value: :math:`s_0`. Default 0.
+        eps: :math:`\epsilon`. Default 1e-10.
+    """
 
     def __init__(self, learning_rate=0.01, lr_decay: float = 0.0, weight_decay: float = 0.0,
                  initial_accumulator_value: float = 0.0, eps: float = 1e-10):  # fmt: skip
@@ -218,9 +258,24 @@ class Adagrad(_TorchOptimizer):
 
 
 class SparseAdam(_TorchOptimizer):
-    """torch.optim.SparseAdam: Adam whose moments and step touch only the rows with a gradient.
+    r"""Adam for sparse gradients, torch's ``optim.SparseAdam``: moments and step touch only the rows with a gradient.
 
-    Like torch's, it takes only :class:`SparseGradient` (a dense gradient is a TypeError).
+    For each row r of a :class:`~seqlib.sparse.SparseGradient` (repeated rows summed first),
+    with gradient :math:`g` at the parameter's step t:
+
+    .. math::
+
+        m_r \leftarrow \beta_1 m_r + (1 - \beta_1)\, g_r, \qquad
+        v_r \leftarrow \beta_2 v_r + (1 - \beta_2)\, g_r^2, \qquad
+        p_r \leftarrow p_r - \eta\, \frac{\sqrt{1 - \beta_2^t}}{1 - \beta_1^t} \cdot \frac{m_r}{\sqrt{v_r} + \epsilon}.
+
+    Rows without a gradient keep their moments and values.  Like torch's, it takes only
+    :class:`~seqlib.sparse.SparseGradient` (a dense gradient is a TypeError).
+
+    Args:
+        learning_rate: :math:`\eta`, above 0. Default 0.001.
+        betas: :math:`(\beta_1, \beta_2)`, each in [0, 1). Default (0.9, 0.999).
+        eps: :math:`\epsilon`, above 0. Default 1e-8.
     """
 
     accepts_dense = False
