@@ -85,9 +85,16 @@ class _Table(TorchStateDictMixin, nn.Module):
 
 
 class Embedding(_Table):
-    """A lookup table from integer ids to rows of a learned ``weight`` (V, D).
+    r"""A lookup table from integer ids to rows of a learned ``weight``, torch's ``nn.Embedding``.
 
-    The single parameter is ``weight``, initialised N(0, 1) like torch's, with the
+    For ids of any shape it returns one row per id,
+
+    .. math::
+
+        \mathrm{out}[\ldots, :] = W[\mathrm{input}[\ldots], :], \qquad W \in \mathbb{R}^{V \times D},
+
+    which is the product of a one-hot vector with :math:`W`, without building the one-hot.
+    The single parameter is ``weight``, initialised :math:`\mathcal{N}(0, 1)` like torch's, with the
     ``padding_idx`` row (if any) set to zero; that row never receives a gradient.
     With ``max_norm`` set, each call renormalises the rows it looks up and
     *replaces* ``self.weight`` with the result, so that afterwards ``self.weight``
@@ -96,6 +103,29 @@ class Embedding(_Table):
     renormalise outside it.  With ``sparse=True``,
     :func:`seqlib.sparse.value_and_grad` gives the weight's gradient as a
     :class:`~seqlib.sparse.SparseGradient` of the looked-up rows only.
+
+    Args:
+        num_embeddings: V, the number of rows (ids run from 0 to V - 1).
+        embedding_dim: D, the size of each row.
+        padding_idx: a row (negative counts from the end) that starts at zero and gets no
+            gradient, or None. Default None.
+        max_norm: if given, rows are rescaled on lookup to :math:`\lVert w \rVert_p \le` ``max_norm``
+            (see :func:`seqlib.functional.embedding_renorm`). Default None.
+        norm_type: p of the norm for ``max_norm``. Default 2.
+        scale_grad_by_freq: divide each row's gradient by how often its id occurs in the call's
+            input. Default False.
+        sparse: the weight's gradient as a :class:`~seqlib.sparse.SparseGradient` under
+            :func:`seqlib.sparse.value_and_grad`. Default False.
+        dtype: the weight's dtype (float32, float16 or bfloat16). Default float32.
+
+    Inputs:
+        input: integer ids in ``[0, V)``, any shape ``(*)`` (an MLX or NumPy array).
+
+    Outputs:
+        output: the looked-up rows, ``(*, D)``, in the weight's dtype.
+
+    Weights:
+        weight: :math:`W`, ``(V, D)``.
     """
 
     def __init__(
@@ -138,14 +168,48 @@ class Embedding(_Table):
 
 
 class EmbeddingBag(_Table):
-    """Sums, means or maxima of bags of embedding rows, without the (N, D) lookup in between.
+    r"""Sums, means or maxima of bags of embedding rows, torch's ``nn.EmbeddingBag``.
 
-    Call as ``bag(input, offsets=None, per_sample_weights=None)``; see
-    :func:`seqlib.functional.embedding_bag` for the forms of ``input``.  Options,
-    parameter and ``from_pretrained`` as in :class:`Embedding`, plus ``mode``
-    (``"sum"``, ``"mean"`` or ``"max"``) and ``include_last_offset``.  A bad ``mode``,
-    or ``mode="max"`` with ``sparse`` or ``scale_grad_by_freq``, is refused here at
-    construction (torch waits for the first call).
+    For bag b with the ids :math:`E_b` it does not build the ``(N, D)`` lookup in between; it
+    computes, with per-sample weights :math:`s_n` (1 without ``per_sample_weights``),
+
+    .. math::
+
+        \mathrm{sum}: \sum_{n \in E_b} s_n W[\mathrm{input}_n], \qquad
+        \mathrm{mean}: \frac{1}{|E_b|} \sum_{n \in E_b} W[\mathrm{input}_n], \qquad
+        \mathrm{max}: \max_{n \in E_b} W[\mathrm{input}_n, d] \text{ for each column } d,
+
+    where entries equal to ``padding_idx`` are left out of :math:`E_b` and an empty bag gives
+    zeros.  Options, parameter and ``from_pretrained`` as in :class:`Embedding`.  A bad ``mode``,
+    or ``mode="max"`` with ``sparse`` or ``scale_grad_by_freq``, is refused here at construction
+    (torch waits for the first call).
+
+    Args:
+        num_embeddings: V, the number of rows.
+        embedding_dim: D, the size of each row.
+        max_norm: rescale looked-up rows to this norm at most, as :class:`Embedding`. Default None.
+        norm_type: p of the norm for ``max_norm``. Default 2.
+        scale_grad_by_freq: as :class:`Embedding` (not with ``mode="max"``). Default False.
+        mode: ``"sum"``, ``"mean"`` or ``"max"``. Default ``"mean"``.
+        sparse: the weight's gradient as a :class:`~seqlib.sparse.SparseGradient` (not with
+            ``mode="max"``). Default False.
+        include_last_offset: ``offsets`` has B + 1 entries, the last one the end of the last bag.
+            Default False.
+        padding_idx: a row whose entries are left out of every bag, or None. Default None.
+        dtype: the weight's dtype (float32, float16 or bfloat16). Default float32.
+
+    Inputs:
+        input: ids, ``(B, N)`` (B bags of N entries) or ``(N,)`` with ``offsets``.
+        offsets: ``(B,)`` (``(B + 1,)`` with ``include_last_offset``), where each bag starts in a
+            1-D ``input``; None for a 2-D input.
+        per_sample_weights: weights :math:`s_n` of ``input``'s shape, for ``mode="sum"`` only.
+            See :func:`seqlib.functional.embedding_bag` for every form.
+
+    Outputs:
+        output: one row per bag, ``(B, D)``, in the weight's dtype.
+
+    Weights:
+        weight: :math:`W`, ``(V, D)``.
     """
 
     def __init__(
