@@ -155,8 +155,10 @@ class SGD(_TorchOptimizer):
 
     .. math::
 
-        b_1 = g_1, \qquad b_t = \mu\, b_{t-1} + (1 - \tau)\, g_t, \qquad
-        p \leftarrow p - \eta\, b_t \quad (\text{or } p - \eta\,(g_t + \mu\, b_t) \text{ with Nesterov}),
+        \begin{aligned}
+        b_1 &= g_1, \qquad b_t = \mu\, b_{t-1} + (1 - \tau)\, g_t \\
+        p &\leftarrow p - \eta\, b_t \quad (\text{or } p - \eta\,(g_t + \mu\, b_t) \text{ with Nesterov})
+        \end{aligned}
 
     and :math:`p \leftarrow p - \eta\, g_t` without momentum (:math:`\mu = 0`).  The buffer
     starts at :math:`g_1`, as torch's does (``mlx.optimizers.SGD`` starts it at zero).  A
@@ -265,9 +267,11 @@ class SparseAdam(_TorchOptimizer):
 
     .. math::
 
-        m_r \leftarrow \beta_1 m_r + (1 - \beta_1)\, g_r, \qquad
-        v_r \leftarrow \beta_2 v_r + (1 - \beta_2)\, g_r^2, \qquad
-        p_r \leftarrow p_r - \eta\, \frac{\sqrt{1 - \beta_2^t}}{1 - \beta_1^t} \cdot \frac{m_r}{\sqrt{v_r} + \epsilon}.
+        \begin{aligned}
+        m_r &\leftarrow \beta_1 m_r + (1 - \beta_1)\, g_r \\
+        v_r &\leftarrow \beta_2 v_r + (1 - \beta_2)\, g_r^2 \\
+        p_r &\leftarrow p_r - \eta\, \frac{\sqrt{1 - \beta_2^t}}{1 - \beta_1^t} \cdot \frac{m_r}{\sqrt{v_r} + \epsilon}
+        \end{aligned}
 
     Rows without a gradient keep their moments and values.  Like torch's, it takes only
     :class:`~seqlib.sparse.SparseGradient` (a dense gradient is a TypeError).

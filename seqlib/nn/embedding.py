@@ -175,9 +175,11 @@ class EmbeddingBag(_Table):
 
     .. math::
 
-        \mathrm{sum}: \sum_{n \in E_b} s_n W[\mathrm{input}_n], \qquad
-        \mathrm{mean}: \frac{1}{|E_b|} \sum_{n \in E_b} W[\mathrm{input}_n], \qquad
-        \mathrm{max}: \max_{n \in E_b} W[\mathrm{input}_n, d] \text{ for each column } d,
+        \begin{aligned}
+        \text{sum:} \quad & \mathrm{out}_b = \sum_{n \in E_b} s_n\, W[\mathrm{input}_n] \\
+        \text{mean:} \quad & \mathrm{out}_b = \frac{1}{|E_b|} \sum_{n \in E_b} W[\mathrm{input}_n] \\
+        \text{max:} \quad & \mathrm{out}_{b, d} = \max_{n \in E_b} W[\mathrm{input}_n, d] \ \text{(each } d)
+        \end{aligned}
 
     where entries equal to ``padding_idx`` are left out of :math:`E_b` and an empty bag gives
     zeros.  Options, parameter and ``from_pretrained`` as in :class:`Embedding`.  A bad ``mode``,
