@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-__all__ = ["Case", "print_versions", "run_cases"]
+__all__ = ["Case", "cpu_vector_extensions", "print_versions", "run_cases"]
 
 
 @dataclass
@@ -33,14 +33,32 @@ class Case:
     mlx_baseline: str = "mlx ops"  # the implementation the "vs mlx" column divides by
 
 
+def cpu_vector_extensions() -> str:
+    """The CPU's model and vector extensions, as ``/proc/cpuinfo`` names them (AVX2, AVX-512, NEON, ...)."""
+    import platform
+
+    try:
+        with open("/proc/cpuinfo") as file:
+            info = file.read()
+    except OSError:
+        return f"{platform.machine()} {platform.processor()}".strip()  # macOS: Apple silicon has NEON
+    fields = dict(line.split(":", 1) for line in info.splitlines()[:40] if ":" in line)
+    model = (fields.get("model name") or fields.get("CPU part") or platform.machine()).strip()
+    flags = set((fields.get("flags") or fields.get("Features") or "").split())
+    wanted = ["sse4_2", "avx", "avx2", "fma", "avx512f", "avx512bw", "avx512_bf16", "amx_tile", "asimd", "sve"]
+    return f"{model}; vector extensions: {' '.join(flag for flag in wanted if flag in flags) or 'none listed'}"
+
+
 def print_versions() -> None:
-    """The versions and settings a reader needs to compare timings."""
+    """The versions and settings a reader needs to compare timings, and the CPU they were taken on."""
     import importlib.util
+    import os
 
     import mlx.core as mx
 
     import seqlib
 
+    print(f"CPU: {cpu_vector_extensions()}, {os.cpu_count()} logical cores")
     print(f"seqlib {seqlib.__version__}, MLX {mx.__version__}, BLAS routed: {seqlib.blas_status().routed}")
     if importlib.util.find_spec("torch") is None:
         print("torch is not installed: no torch column")
@@ -54,8 +72,8 @@ def _median_seconds(samples: list[float]) -> float:
     return float(np.median(samples))
 
 
-def run_cases(cases: list[Case], repeats: int = 15, warmup: int = 2) -> list[dict]:
-    """Validate, then time every case; print a table and return its rows."""
+def run_cases(cases: list[Case], repeats: int = 15, warmup: int = 2, show: bool = True) -> list[dict]:
+    """Validate, then time every case; print a table per case (unless ``show`` is False) and return its rows."""
     rows = []
     for case in cases:
         names = list(case.implementations)
@@ -64,7 +82,8 @@ def run_cases(cases: list[Case], repeats: int = 15, warmup: int = 2) -> list[dic
             if case.check is not None:
                 error = case.check(reference, case.implementations[name]())
                 status = "ok" if error <= case.tolerance else "MISMATCH"
-                print(f"  check {case.name} / {name} vs {names[0]}: max error {error:.2e} [{status}]")
+                if show or error > case.tolerance:
+                    print(f"  check {case.name} / {name} vs {names[0]}: max error {error:.2e} [{status}]")
                 if error > case.tolerance:
                     raise AssertionError(f"{case.name}: {name} disagrees with {names[0]} (max error {error:.2e})")
         del reference
@@ -87,7 +106,8 @@ def run_cases(cases: list[Case], repeats: int = 15, warmup: int = 2) -> list[dic
                 "GB/s": case.bytes_moved / medians[name] / 1e9 if case.bytes_moved else None,
                 "GFLOP/s": case.flops / medians[name] / 1e9 if case.flops else None,
             })  # fmt: skip
-        _print_case(case, rows[-len(names):])
+        if show:
+            _print_case(case, rows[-len(names):])
     return rows
 
 

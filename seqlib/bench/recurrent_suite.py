@@ -1,8 +1,17 @@
 """``python -m seqlib.bench recurrent``: LSTM and GRU layers against torch and ``mlx.nn``.
 
-For each (T, B, D, H) of the recurrent issue and each of LSTM and GRU, two cases:
-the forward pass, and forward + backward (gradients of every weight and of the
-input, for the loss ``sum(output * w)``).  Implementations:
+Three tables:
+
+1. For each (T, B, D, H) of the recurrent issue and each of LSTM and GRU, two cases:
+   the forward pass, and forward + backward (gradients of every weight and of the
+   input, for the loss ``sum(output * w)``).
+2. Scaling: microseconds per time step for T from 100 to 3,200, batch 1 and 32,
+   D = H = 128, RNN/LSTM/GRU, forward and forward + backward: a cost linear in T
+   keeps the per-step time flat.
+3. Streaming: one step at batch 1 with a carried state, evaluated every step (a
+   cell's call, a layer's ``step``), against torch single-threaded.
+
+Implementations:
 
   seqlib            seqlib.nn.LSTM / GRU (one input matmul, compiled gate math, hand-written BPTT)
   mlx.nn            mlx.nn.LSTM / GRU with the same weights (a Python loop, autodiff backward)
@@ -31,7 +40,12 @@ from seqlib.interop import to_mlx
 HAVE_TORCH = importlib.util.find_spec("torch") is not None
 SHAPES = [(100, 32, 256, 512), (35, 20, 650, 650), (200, 64, 128, 128), (50, 1, 64, 256)]
 QUICK_SHAPES = [(12, 4, 16, 32), (10, 1, 8, 16)]
-GATE_BLOCKS = {"LSTM": 4, "GRU": 3}
+GATE_BLOCKS = {"RNN": 1, "LSTM": 4, "GRU": 3}
+# How cost grows with the sequence length: per-step time should stay flat from T=100 to T=3,200.
+SCALING_STEPS, QUICK_SCALING_STEPS = (100, 400, 1600, 3200), (20, 80)
+SCALING_BATCHES, SCALING_WIDTH = (1, 32), 128
+# Streaming: one step at batch 1 with a carried state, evaluated every step, as a live stream runs.
+STREAM_WIDTHS, QUICK_STREAM_WIDTHS, STREAM_STEPS = (128, 512), (16,), 50
 
 
 def _relative_error(reference, other) -> float:
@@ -149,6 +163,160 @@ def main(repeats: int = 7, quick: bool = False) -> None:
              for kind in ("LSTM", "GRU") for backward in (False, True)]  # fmt: skip
     rows = run_cases(cases, repeats=2 if quick else repeats, warmup=1)
     _print_summary(rows)
+    print_scaling(QUICK_SCALING_STEPS if quick else SCALING_STEPS, repeats=2 if quick else max(3, repeats // 2))
+    print_streaming(QUICK_STREAM_WIDTHS if quick else STREAM_WIDTHS, repeats=2 if quick else repeats)
+
+
+# ----------------------------------------------------------------- scaling with the sequence length
+
+
+def print_scaling(steps_list=SCALING_STEPS, batches=SCALING_BATCHES, repeats: int = 3) -> list[dict]:
+    """Time every kind, direction and batch at each T; print microseconds per step and how they grow."""
+    print(f"\nscaling with T: microseconds per time step (D = H = {SCALING_WIDTH}; median of {repeats})")
+    print("  growth = per-step time at the longest T / at the shortest; flat cost in T gives about 1")
+    all_rows = []
+    for kind in ("LSTM", "GRU", "RNN"):
+        for backward in (False, True):
+            for batch in batches:
+                cases = [recurrent_case(kind, (steps, batch, SCALING_WIDTH, SCALING_WIDTH), backward)
+                         for steps in steps_list]  # fmt: skip
+                rows = run_cases(cases, repeats=repeats, warmup=1, show=False)
+                all_rows += rows
+                _print_scaling_rows(kind, backward, batch, steps_list, rows)
+    return all_rows
+
+
+def _print_scaling_rows(kind: str, backward: bool, batch: int, steps_list, rows: list[dict]) -> None:
+    what = "fwd+bwd" if backward else "forward"
+    per_step = {}  # implementation -> [us per step at each T]
+    for row in rows:
+        per_step.setdefault(row["implementation"], []).append(1e3 * row["median_ms"])
+    print(f"\n  {kind} {what}, B={batch}    " + "".join(f"{'T=' + str(t):>10}" for t in steps_list) + "    growth")
+    for name, times in per_step.items():
+        times = [time / steps for time, steps in zip(times, steps_list, strict=True)]
+        cells = "".join(f"{time:>10.1f}" for time in times)
+        print(f"    {name:<22}{cells}    x{times[-1] / times[0]:.2f}")
+    ours = per_step["seqlib"]
+    for name in ("mlx.nn", "torch", "torch (1 thread)"):
+        if name in per_step:
+            ratios = "".join(f"{a / b:>10.2f}" for a, b in zip(ours, per_step[name], strict=True))
+            print(f"    {'seqlib / ' + name:<22}{ratios}")
+
+
+# ----------------------------------------------------------------- streaming, one step at a time
+
+
+def _stream_inputs(input_size: int) -> np.ndarray:
+    return np.random.default_rng(1).standard_normal((STREAM_STEPS, 1, input_size)).astype(np.float32)
+
+
+def _plain_mlx_cell_step(kind: str, cell):
+    """The same step in plain MLX ops, no seqlib in between: the "mlx ops" baseline."""
+    w_ih, w_hh = cell.weight_ih.T, cell.weight_hh.T
+    b_ih, b_hh = cell.bias_ih, cell.bias_hh
+    if kind == "LSTMCell":
+        bias = b_ih + b_hh
+
+        def step(x, state):
+            i, f, g, o = mx.split(x @ w_ih + state[0] @ w_hh + bias, 4, axis=-1)
+            c = mx.sigmoid(f) * state[1] + mx.sigmoid(i) * mx.tanh(g)
+            return mx.sigmoid(o) * mx.tanh(c), c
+
+        return step
+
+    def step(x, h):
+        input_r, input_z, input_n = mx.split(x @ w_ih + b_ih, 3, axis=-1)
+        hidden_r, hidden_z, hidden_n = mx.split(h @ w_hh + b_hh, 3, axis=-1)
+        r, z = mx.sigmoid(input_r + hidden_r), mx.sigmoid(input_z + hidden_z)
+        n = mx.tanh(input_n + r * hidden_n)
+        return (1 - z) * n + z * h
+
+    return step
+
+
+def _streamed(step, xs, state):
+    """Run ``state = step(x_t, state)`` over xs, evaluating every step; the last h as NumPy."""
+    for x in xs:
+        state = step(x, state)
+        mx.eval(state)
+    return np.array(state[0] if isinstance(state, tuple) else state)
+
+
+def _torch_streamed(step, xs, state):
+    import torch
+
+    with _torch_threads(1), torch.no_grad():
+        for x in xs:
+            state = step(x, state)
+    return (state[0] if isinstance(state, tuple) else state).numpy()
+
+
+def streaming_case(kind: str, hidden_size: int) -> Case:
+    """``kind``: "LSTMCell"/"GRUCell" (a cell's call) or "LSTM"/"GRU" (a one-layer layer's ``step``)."""
+    is_cell = kind.endswith("Cell")
+    cell_kind = kind if is_cell else kind + "Cell"
+    xs_np = _stream_inputs(hidden_size)
+    xs = [mx.array(x) for x in xs_np]
+    mx.eval(xs)
+    zeros = mx.zeros((1, hidden_size))
+    if is_cell:
+        ours = getattr(seqlib.nn, kind)(hidden_size, hidden_size)
+        initial = (zeros, zeros) if kind == "LSTMCell" else zeros
+        implementations = {"seqlib": lambda: _streamed(ours, xs, initial)}
+        implementations["mlx ops"] = lambda: _streamed(_plain_mlx_cell_step(kind, ours), xs, initial)
+    else:
+        ours = getattr(seqlib.nn, kind)(hidden_size, hidden_size)
+        initial = (zeros[None], zeros[None]) if kind == "LSTM" else zeros[None]
+        implementations = {"seqlib": lambda: _streamed(lambda x, s: ours.step(x, s)[1], xs, initial)}
+        theirs_mlx = to_mlx(ours)  # mlx.nn's layer on a sequence of one step, with its state
+        if kind == "LSTM":
+            def mlx_nn_step(x, state):
+                hidden, cell = theirs_mlx(x[:, None], state[0], state[1])
+                return hidden[:, 0], cell[:, 0]
+            implementations["mlx.nn"] = lambda: _streamed(mlx_nn_step, xs, (zeros, zeros))
+        else:
+            implementations["mlx.nn"] = lambda: _streamed(lambda x, h: theirs_mlx(x[:, None], h)[:, 0], xs, zeros)
+    mx.eval(ours.parameters())
+    if HAVE_TORCH:
+        import torch
+
+        theirs = getattr(torch.nn, cell_kind)(hidden_size, hidden_size)
+        state_dict = ours.torch_state_dict()
+        theirs.load_state_dict({name.replace("_l0", ""): torch.from_numpy(np.array(value))
+                                for name, value in state_dict.items()})  # fmt: skip
+        xs_torch = [torch.from_numpy(x) for x in xs_np]
+        zeros_torch = torch.zeros(1, hidden_size)
+        torch_initial = (zeros_torch, zeros_torch) if cell_kind == "LSTMCell" else zeros_torch
+        implementations["torch (1 thread)"] = lambda: _torch_streamed(lambda x, s: theirs(x, s), xs_torch,
+                                                                      torch_initial)  # fmt: skip
+    gates = GATE_BLOCKS[cell_kind[:-4]] * hidden_size
+    flops = 2 * STREAM_STEPS * gates * 2 * hidden_size
+    what = "cell call" if is_cell else "layer.step"
+    return Case(
+        name=f"streaming {kind} ({what}), H={hidden_size}, batch 1, {STREAM_STEPS} steps",
+        implementations=implementations,
+        bytes_moved=4 * STREAM_STEPS * gates * 2 * hidden_size,  # W_ih and W_hh read every step
+        flops=flops,
+        check=lambda a, b: _relative_error(a, b),
+        tolerance=1e-4,
+        mlx_baseline="mlx ops" if is_cell else "mlx.nn",
+    )
+
+
+def print_streaming(widths=STREAM_WIDTHS, repeats: int = 7) -> list[dict]:
+    """Time one streamed step per kind and width; print microseconds per step and ratios to torch."""
+    print("\nstreaming: microseconds per step at batch 1, state carried, evaluated every step")
+    rows = []
+    for hidden_size in widths:
+        for kind in ("LSTMCell", "GRUCell", "LSTM", "GRU"):
+            case_rows = run_cases([streaming_case(kind, hidden_size)], repeats=repeats, warmup=1, show=False)
+            rows += case_rows
+            times = {row["implementation"]: 1e3 * row["median_ms"] / STREAM_STEPS for row in case_rows}
+            line = f"  {case_rows[0]['case']:<62}" + "".join(f"  {name} {time:7.1f}" for name, time in times.items())
+            if "torch (1 thread)" in times:
+                line += f"   seqlib/torch x{times['seqlib'] / times['torch (1 thread)']:.2f}"
+            print(line)
+    return rows
 
 
 def _print_summary(rows: list[dict]) -> None:
