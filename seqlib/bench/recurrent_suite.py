@@ -163,8 +163,55 @@ def main(repeats: int = 7, quick: bool = False) -> None:
              for kind in ("LSTM", "GRU") for backward in (False, True)]  # fmt: skip
     rows = run_cases(cases, repeats=2 if quick else repeats, warmup=1)
     _print_summary(rows)
+    print_peak_memory(shapes)
     print_scaling(QUICK_SCALING_STEPS if quick else SCALING_STEPS, repeats=2 if quick else max(3, repeats // 2))
     print_streaming(QUICK_STREAM_WIDTHS if quick else STREAM_WIDTHS, repeats=2 if quick else repeats)
+
+
+# ----------------------------------------------------------------- memory of a training step
+
+
+def _training_step_peak(layer, x, weights, is_seqlib: bool) -> tuple[int, int]:
+    """(peak bytes, resident bytes before) of one value_and_grad + SGD step of ``layer`` on the CPU."""
+    import mlx.optimizers
+
+    def loss(model, x):
+        out = model(x)
+        return ((out[0] if is_seqlib or isinstance(out, tuple) else out) * weights).sum()
+
+    step = mlx.nn.value_and_grad(layer, loss)
+    optimizer = mlx.optimizers.SGD(learning_rate=0.01)
+    for measured in (False, True):  # the first step is a warm-up
+        if measured:
+            mx.clear_cache()
+            mx.reset_peak_memory()
+            before = mx.get_active_memory()
+        _, grads = step(layer, x)
+        optimizer.update(layer, grads)
+        mx.eval(layer.parameters())
+    return mx.get_peak_memory(), before
+
+
+def print_peak_memory(shapes=SHAPES) -> None:
+    """Peak MLX memory of one training step (forward, backward, SGD update) next to the parameter bytes."""
+    from mlx.utils import tree_flatten
+
+    print("\npeak memory of one training step (forward, backward, SGD), MB: peak, and peak above what was resident")
+    for kind in ("LSTM", "GRU"):
+        for steps, batch, input_size, hidden_size in shapes:
+            rng = np.random.default_rng(0)
+            x = mx.array(rng.standard_normal((batch, steps, input_size)).astype(np.float32))
+            weights = mx.array(rng.uniform(-1, 1, (batch, steps, hidden_size)).astype(np.float32))
+            ours = getattr(seqlib.nn, kind)(input_size, hidden_size, batch_first=True)
+            theirs = to_mlx(ours)
+            parameter_bytes = sum(v.nbytes for _, v in tree_flatten(ours.parameters()))
+            activation_bytes = steps * batch * hidden_size * 4
+            line = f"  {kind} T={steps} B={batch} D={input_size} H={hidden_size}: "
+            line += f"parameters {parameter_bytes / 1e6:6.2f}, one layer output {activation_bytes / 1e6:6.2f}"
+            for name, layer, is_seqlib in (("seqlib", ours, True), ("mlx.nn", theirs, False)):
+                peak, before = _training_step_peak(layer, x, weights, is_seqlib)
+                line += f" | {name} {peak / 1e6:7.1f} ({(peak - before) / 1e6:6.1f} above)"
+            print(line)
 
 
 # ----------------------------------------------------------------- scaling with the sequence length
