@@ -77,13 +77,32 @@ def _compiles_here(x: mx.array) -> bool:
     return _compiled_traces == before
 
 
+def _count_traces(*arrays):
+    global _compiled_traces
+    _compiled_traces += 1
+    return arrays[0]
+
+
+_traces_probe = mx.compile(_count_traces, shapeless=True) if _compile(_count_trace) is not _count_trace else None
+
+
 def is_traced(*arrays: mx.array) -> bool:
     """Whether any of ``arrays`` is being traced by an MLX transformation (``mx.grad``, ``mx.vjp``,
     ``mx.vmap``, ``mx.compile``), so that a gradient may be taken through what is computed from it.
 
-    Also True where ``mx.compile`` cannot run: callers then take the path that serves every case.
+    One shapeless compiled probe takes them all: it is traced again on every call while one of its
+    inputs is a tracer, and otherwise only on the first call with new dtypes or numbers of dimensions
+    (then a second call tells).  Also True where ``mx.compile`` cannot run: callers then take the
+    path that serves every case.
     """
-    return not all(_compiles_here(array) for array in arrays)
+    if _traces_probe is None:
+        return True
+    for _ in range(2):
+        before = _compiled_traces
+        _traces_probe(*arrays)
+        if _compiled_traces == before:
+            return False
+    return True
 
 
 def _sigmoid(tanh, x):
