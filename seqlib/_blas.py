@@ -59,7 +59,8 @@ status = BlasStatus(routed=False, reason="routing not attempted yet")
 _shim: ctypes.CDLL | None = None
 
 
-def _cache_dir() -> Path:
+def cache_dir() -> Path:
+    """Where seqlib caches what it builds: SEQLIB_CACHE_DIR, else ~/.cache/seqlib (a temp dir if unwritable)."""
     base = os.environ.get("XDG_CACHE_HOME") or os.path.join(Path.home(), ".cache")
     path = Path(os.environ.get("SEQLIB_CACHE_DIR", os.path.join(base, "seqlib")))
     try:
@@ -79,7 +80,7 @@ def _build_shim(openblas_dir: str) -> Path:
     """Compile the shim once per (source, OpenBLAS location); return its path."""
     source = SHIM_SOURCE.read_bytes()
     key = hashlib.sha256(source + openblas_dir.encode()).hexdigest()[:16]
-    target = _cache_dir() / f"blas_shim-{key}.so"
+    target = cache_dir() / f"blas_shim-{key}.so"
     if target.exists():
         return target
     compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")

@@ -50,7 +50,7 @@ import functools
 
 import mlx.core as mx
 
-from seqlib import kernels
+from seqlib import kernels, native
 from seqlib._checks import check_batch_sizes, check_choice, check_float_array, check_state
 from seqlib.pointwise import (
     gate_path,
@@ -205,6 +205,28 @@ def _lstm_sequence_function(batch_sizes: tuple[int, ...], reverse: bool, project
     return forward
 
 
+@functools.lru_cache(maxsize=512)
+def _native_lstm_function(batch_sizes: tuple[int, ...], reverse: bool):
+    """The same custom function on seqlib.native's C++ primitives: the whole loop, forward and backward."""
+    extension, sizes = native.extension(), list(batch_sizes)
+
+    @mx.custom_function
+    def forward(x_gates, w_hh, h0, c0):
+        return tuple(extension.lstm_sequence(x_gates, w_hh, h0, c0, sizes, reverse, True))
+
+    @forward.vjp
+    def backward(primals, cotangents, outputs):
+        w_hh = primals[1]
+        d_output, d_h_n, d_c_n = cotangents[:3]
+        activations, tanh_c, c_prev, h_prev = outputs[3:]
+        d_x_gates, d_h0, d_c0 = extension.lstm_sequence_backward(
+            w_hh, activations, tanh_c, c_prev, d_output, d_h_n, d_c_n, sizes, reverse
+        )
+        return d_x_gates, d_x_gates.T @ h_prev, d_h0, d_c0  # every step's weight gradient in one matmul
+
+    return forward
+
+
 def _check_lstm_sequence(x_gates, w_hh, h0, c0, batch_sizes, w_hr) -> tuple[int, ...]:
     """Check lstm_sequence's arguments against each other; returns the batch sizes as a tuple."""
     batch, hidden_size = check_state("c0", c0)
@@ -229,7 +251,13 @@ def lstm_sequence(x_gates, w_hh, h0, c0, batch_sizes, reverse=False, w_hr=None):
     batch_sizes = _check_lstm_sequence(x_gates, w_hh, h0, c0, batch_sizes, w_hr)
     use_kernels = kernels.uses_kernels()
     projection = () if w_hr is None else (w_hr,)
-    if not use_kernels and not is_traced(x_gates, w_hh, h0, c0, *projection):
+    traced = is_traced(x_gates, w_hh, h0, c0, *projection)
+    if not use_kernels and w_hr is None and x_gates.dtype == mx.float32 and native.available():
+        if not traced:  # inference: the forward alone, nothing saved
+            extension = native.extension()
+            return tuple(extension.lstm_sequence(x_gates, w_hh, h0, c0, list(batch_sizes), bool(reverse), False))
+        return _native_lstm_function(batch_sizes, bool(reverse))(x_gates, w_hh, h0, c0)[:3]
+    if not use_kernels and not traced:
         return _lstm_inference(x_gates, w_hh, h0, c0, _steps(batch_sizes, bool(reverse)), w_hr)
     function = _lstm_sequence_function(batch_sizes, bool(reverse), w_hr is not None, use_kernels)
     output, h_n, c_n = function(x_gates, w_hh, h0, c0, *projection)[:3]

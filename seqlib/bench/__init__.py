@@ -59,7 +59,8 @@ def print_versions() -> None:
     import seqlib
 
     print(f"CPU: {cpu_vector_extensions()}, {os.cpu_count()} logical cores")
-    print(f"seqlib {seqlib.__version__}, MLX {mx.__version__}, BLAS routed: {seqlib.blas_status().routed}")
+    print(f"seqlib {seqlib.__version__}, MLX {mx.__version__}, BLAS routed: {seqlib.blas_status().routed}, "
+          f"C++ CPU primitives: {seqlib.native.available()} ({seqlib.native.reason()})")  # fmt: skip
     if importlib.util.find_spec("torch") is None:
         print("torch is not installed: no torch column")
         return

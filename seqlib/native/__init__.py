@@ -1,0 +1,166 @@
+"""seqlib's CPU primitives: a C++ extension of MLX, built on first use against the installed MLX.
+
+MLX's CPU backend runs an LSTM step as a matmul and about ten elementwise kernels, and
+on x86 those kernels are scalar code.  ``recurrent_cpu.cpp`` adds MLX primitives
+(``mlx::core::Primitive`` subclasses with ``eval_cpu``, MLX's documented way to add an
+operation) that run a whole LSTM layer-direction in one operation: per time step one
+OpenBLAS call and one loop of gate math vectorised for the host's CPU.
+:mod:`seqlib.scan` uses them where :func:`available` says so, forward and backward; the
+MLX-ops path gives the same numbers within float32 rounding and stays in place
+everywhere else (other dtypes, a projected LSTM, the Metal kernels, macOS).
+
+The extension is compiled once per (source, MLX version, nanobind version, Python,
+CPU) with ``g++ -O3 -march=native`` and cached like the BLAS shim (``SEQLIB_CACHE_DIR``,
+default ``~/.cache/seqlib``), taking about half a minute the first time.  It binds to
+MLX's own Python types through nanobind (MLX's nanobind domain ``mlx``), and checks
+itself against the MLX-ops path once it is loaded.  Where it cannot be built or loaded
+(no C++ compiler, no nanobind, another MLX ABI) one :class:`NativeWarning` says why and
+the ops path runs.  ``SEQLIB_NATIVE=0`` turns it off.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.machinery
+import importlib.util
+import os
+import platform
+import shutil
+import subprocess
+import sys
+import sysconfig
+import warnings
+from pathlib import Path
+
+__all__ = ["ENV_VAR", "NativeWarning", "available", "extension", "reason"]
+
+#: The environment variable that turns the primitives off (SEQLIB_NATIVE=0).
+ENV_VAR = "SEQLIB_NATIVE"
+SOURCE = Path(__file__).with_name("recurrent_cpu.cpp")
+_MODULE = "_recurrent_cpu"
+
+
+class NativeWarning(RuntimeWarning):
+    """seqlib's C++ CPU primitives could not be built or loaded: the slower MLX-ops path runs."""
+
+
+_state: dict = {}  # "module" (the loaded extension or None) and "reason", once decided
+
+
+def _cpu_key() -> str:
+    """What -march=native depends on: the CPU model and its flags."""
+    try:
+        with open("/proc/cpuinfo") as file:
+            lines = [line for line in file.read().splitlines()[:40] if line.startswith(("model name", "flags"))]
+    except OSError:
+        lines = [platform.processor()]
+    return "\n".join(lines)
+
+
+def _build(target_dir: Path) -> Path:
+    """Compile the extension unless a build for this MLX, nanobind, Python and CPU is cached; return its path."""
+    import mlx.core as mx
+    import nanobind
+    import scipy_openblas32
+
+    mlx_dir = Path(mx.__file__).parent
+    openblas_dir = scipy_openblas32.get_lib_dir()
+    suffix = importlib.machinery.EXTENSION_SUFFIXES[0]
+    key_text = "|".join([SOURCE.read_text(), mx.__version__, nanobind.__version__, sys.version, _cpu_key(),
+                         str(mlx_dir), openblas_dir])  # fmt: skip
+    key = hashlib.sha256(key_text.encode()).hexdigest()[:16]
+    target = target_dir / f"native-{key}" / f"{_MODULE}{suffix}"
+    if target.exists():
+        return target
+    compiler = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
+    if compiler is None:
+        raise FileNotFoundError("no C++ compiler (g++ or c++) on PATH")
+    target.parent.mkdir(parents=True, exist_ok=True)
+    partial = target.with_name(f"{target.name}.{os.getpid()}.tmp")
+    nanobind_dir = Path(nanobind.source_dir()).parent
+    command = [
+        compiler, "-O3", "-march=native", "-ffp-contract=off", "-std=c++20", "-shared", "-fPIC",
+        "-fvisibility=hidden", "-DNB_DOMAIN=mlx", "-DNDEBUG",
+        f"-I{nanobind.include_dir()}", f"-I{nanobind_dir / 'ext' / 'robin_map' / 'include'}",
+        f"-I{sysconfig.get_paths()['include']}", f"-I{mlx_dir / 'include'}",
+        str(Path(nanobind.source_dir()) / "nb_combined.cpp"), str(SOURCE), "-o", str(partial),
+        f"-L{mlx_dir / 'lib'}", "-lmlx", f"-Wl,-rpath,{mlx_dir / 'lib'}",
+        f"-L{openblas_dir}", "-lscipy_openblas", f"-Wl,-rpath,{openblas_dir}",
+    ]  # fmt: skip
+    subprocess.run(command, check=True, capture_output=True)
+    os.replace(partial, target)  # atomic: parallel first uses never load half a file
+    return target
+
+
+def _load(path: Path):
+    spec = importlib.util.spec_from_file_location(_MODULE, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _self_check(module) -> None:
+    """One small forward and backward against the MLX-ops path; a ValueError if they disagree."""
+    import mlx.core as mx
+
+    from seqlib.pointwise import lstm_pointwise, lstm_pointwise_backward
+
+    keys = mx.random.split(mx.random.key(0), 4)
+    x_gates, w_hh = mx.random.normal((6, 8), key=keys[0]), mx.random.normal((8, 2), key=keys[1]) * 0.5
+    h0, c0 = mx.random.normal((3, 2), key=keys[2]), mx.random.normal((3, 2), key=keys[3])
+    output, h_n, c_n, activations, tanh_c, c_prev, _ = module.lstm_sequence(
+        x_gates, w_hh, h0, c0, [3, 2, 1], False, True
+    )
+    h, c, rows = h0, c0, 0
+    for size in (3, 2, 1):
+        want_h, want_c, _, _ = lstm_pointwise(x_gates[rows:rows + size] + h[:size] @ w_hh.T, c[:size], compiled=False)
+        error = float(mx.abs(output[rows:rows + size] - want_h).max())
+        if not error < 1e-5:
+            raise ValueError(f"the forward differs from the MLX-ops path by {error:.1e}")
+        h = mx.concatenate([want_h, h[size:]])
+        c = mx.concatenate([want_c, c[size:]])
+        rows += size
+    d_output = mx.ones_like(output)
+    d_x_gates, _, _ = module.lstm_sequence_backward(
+        w_hh, activations, tanh_c, c_prev, d_output, mx.zeros_like(h_n), mx.zeros_like(c_n), [3, 2, 1], False
+    )
+    want, _ = lstm_pointwise_backward(d_output[5:], mx.zeros((1, 2)), activations[5:], tanh_c[5:], c_prev[5:])
+    error = float(mx.abs(d_x_gates[5:] - want).max())
+    if not error < 1e-5:
+        raise ValueError(f"the backward differs from the MLX-ops path by {error:.1e}")
+
+
+def extension():
+    """The loaded extension module, or None where the MLX-ops path must run (see :func:`reason`)."""
+    if "module" in _state:
+        return _state["module"]
+    module, why = None, ""
+    if os.environ.get(ENV_VAR, "1").strip().lower() in {"0", "off", "false", "no"}:
+        why = f"turned off by {ENV_VAR}={os.environ[ENV_VAR]}"
+    elif sys.platform != "linux":
+        why = "not Linux: MLX runs seqlib's Metal kernels or its own CPU code there"
+    else:
+        try:
+            from seqlib._blas import cache_dir
+
+            module = _load(_build(cache_dir()))
+            _self_check(module)
+            why = "built and checked against the MLX-ops path"
+        except (ImportError, OSError, ValueError, TypeError, RuntimeError, subprocess.CalledProcessError) as error:
+            detail = (getattr(error, "stderr", b"") or b"").decode(errors="replace")[-300:]
+            module, why = None, f"{type(error).__name__}: {error} {detail}".strip()
+            warnings.warn(f"seqlib: the C++ CPU primitives are not available ({why}); the MLX-ops path runs "
+                          f"(set {ENV_VAR}=0 to silence)", NativeWarning, stacklevel=3)  # fmt: skip
+    _state.update(module=module, reason=why)
+    return module
+
+
+def available() -> bool:
+    """Whether seqlib's C++ CPU primitives run here (built, loaded and checked; decided on the first call)."""
+    return extension() is not None
+
+
+def reason() -> str:
+    """One sentence on why the primitives are or are not available."""
+    extension()
+    return _state["reason"]

@@ -1,0 +1,115 @@
+"""seqlib.native: the C++ CPU primitives against the MLX-ops path, and the fallback when they cannot be built.
+
+The layers' torch-parity tests (test_recurrent_layers.py, test_cells.py, test_streaming.py)
+run on these primitives wherever they are available; here each primitive is compared with
+seqlib.scan's MLX-ops path on the same arguments, packed and reversed, outputs, saved
+arrays and gradients, and the build's fallback is exercised in a fresh interpreter.
+"""
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from seqlib import kernels, native, scan
+
+linux_only = pytest.mark.skipif(sys.platform != "linux", reason="the primitives are built on Linux only")
+TOLERANCE = {"rtol": 1e-5, "atol": 2e-6}
+
+
+def random(shape, seed, scale=0.5):
+    return mx.array(np.random.default_rng(seed).standard_normal(shape).astype(np.float32) * scale)
+
+
+def ops_path_with_gradients(batch_sizes, reverse, arguments, cotangents):
+    """seqlib.scan's MLX-ops custom function: its outputs, and the vjp of the first three."""
+    function = scan._lstm_sequence_function(tuple(batch_sizes), reverse, False, False)
+    outputs = function(*arguments)
+    _, grads = mx.vjp(lambda *a: function(*a)[:3], list(arguments), cotangents)
+    return outputs, grads
+
+
+@linux_only
+def test_the_primitives_are_built_and_used_on_linux():
+    assert native.available(), native.reason()
+    assert "checked" in native.reason()
+
+
+@linux_only
+@settings(max_examples=25, deadline=None)
+@given(
+    lengths=st.lists(st.integers(1, 6), min_size=1, max_size=5),
+    hidden_size=st.integers(1, 40),
+    reverse=st.booleans(),
+    seed=st.integers(0, 1000),
+)
+def test_forward_saved_arrays_and_backward_equal_the_ops_path(lengths, hidden_size, reverse, seed):
+    lengths = sorted(lengths, reverse=True)
+    batch_sizes = [sum(length > t for length in lengths) for t in range(lengths[0])]
+    rows, batch = sum(batch_sizes), batch_sizes[0]
+    arguments = [random((rows, 4 * hidden_size), seed, 1.0), random((4 * hidden_size, hidden_size), seed + 1),
+                 random((batch, hidden_size), seed + 2), random((batch, hidden_size), seed + 3)]  # fmt: skip
+    cotangents = [random((rows, hidden_size), seed + 4), random((batch, hidden_size), seed + 5),
+                  random((batch, hidden_size), seed + 6)]  # fmt: skip
+    with kernels.use_backend("ops"):
+        want_outputs, want_grads = ops_path_with_gradients(batch_sizes, reverse, arguments, cotangents)
+    extension = native.extension()
+    outputs = extension.lstm_sequence(*arguments, batch_sizes, reverse, True)
+    inference = extension.lstm_sequence(*arguments, batch_sizes, reverse, False)
+    assert len(outputs) == 7 and len(inference) == 3
+    for ours, theirs in zip([*outputs, *inference], [*want_outputs, *want_outputs[:3]], strict=True):
+        np.testing.assert_allclose(np.array(ours), np.array(theirs), **TOLERANCE)
+    _, grads = mx.vjp(lambda *a: scan._native_lstm_function(tuple(batch_sizes), reverse)(*a)[:3], arguments,
+                      cotangents)  # fmt: skip
+    for ours, theirs, name in zip(grads, want_grads, ["x_gates", "w_hh", "h0", "c0"], strict=True):
+        np.testing.assert_allclose(np.array(ours), np.array(theirs), **TOLERANCE, err_msg=name)
+
+
+@linux_only
+def test_non_contiguous_arguments_are_read_as_their_values():
+    x_gates = random((8, 12), 1).T.T  # a view
+    w_hh_transposed = random((3, 12), 2).T  # (12, 3), column-major
+    h0, c0 = random((6, 3), 3)[::2], random((3, 3), 4)
+    ours = native.extension().lstm_sequence(x_gates, w_hh_transposed, h0, c0, [3, 3, 2], False, False)
+    with kernels.use_backend("ops"):
+        want = scan._lstm_inference(x_gates, mx.array(np.array(w_hh_transposed)), mx.array(np.array(h0)), c0,
+                                    scan._steps((3, 3, 2), False), None)  # fmt: skip
+    for mine, theirs in zip(ours, want, strict=True):
+        np.testing.assert_allclose(np.array(mine), np.array(theirs), **TOLERANCE)
+
+
+def run_python(code: str, **env) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], env={**os.environ, **env},
+                          capture_output=True, text=True, timeout=300)  # fmt: skip
+
+
+FALLBACK = """
+    import warnings, seqlib, mlx.core as mx
+    from seqlib import native
+    layer = seqlib.nn.LSTM(3, 4)
+    output, _ = layer(mx.ones((5, 2, 3)))
+    mx.eval(output)
+    print(native.available(), "|", native.reason())
+"""
+
+
+@linux_only
+def test_without_a_compiler_the_ops_path_runs_with_one_clear_warning(tmp_path):
+    result = run_python(FALLBACK, CXX="/bin/false", SEQLIB_CACHE_DIR=str(tmp_path))
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.startswith("False |")
+    warnings = [line for line in result.stderr.splitlines() if "NativeWarning" in line]
+    assert len(warnings) == 1 and "MLX-ops path runs" in warnings[0]
+
+
+@linux_only
+def test_the_environment_variable_turns_the_primitives_off_silently():
+    result = run_python(FALLBACK, SEQLIB_NATIVE="0")
+    assert result.returncode == 0 and result.stderr == "", result.stderr
+    assert "SEQLIB_NATIVE=0" in result.stdout
