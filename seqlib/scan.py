@@ -227,6 +227,46 @@ def _native_lstm_function(batch_sizes: tuple[int, ...], reverse: bool):
     return forward
 
 
+@functools.lru_cache(maxsize=512)
+def _native_gru_function(batch_sizes: tuple[int, ...], reverse: bool):
+    """The GRU's custom function on seqlib.native's C++ primitives."""
+    extension, sizes = native.extension(), list(batch_sizes)
+
+    @mx.custom_function
+    def forward(x_gates, w_hh, b_hh, h0):
+        return tuple(extension.gru_sequence(x_gates, w_hh, b_hh, h0, sizes, reverse, True))
+
+    @forward.vjp
+    def backward(primals, cotangents, outputs):
+        d_output, d_h_n = cotangents[:2]
+        activations, hidden_side, h_prev = outputs[2:]
+        d_x_gates, d_hidden_side, d_h0 = extension.gru_sequence_backward(
+            primals[1], activations, hidden_side, h_prev, d_output, d_h_n, sizes, reverse
+        )
+        return d_x_gates, d_hidden_side.T @ h_prev, d_hidden_side.sum(axis=0), d_h0
+
+    return forward
+
+
+@functools.lru_cache(maxsize=512)
+def _native_rnn_function(batch_sizes: tuple[int, ...], reverse: bool, relu: bool):
+    """The Elman RNN's custom function on seqlib.native's C++ primitives."""
+    extension, sizes = native.extension(), list(batch_sizes)
+
+    @mx.custom_function
+    def forward(x_gates, w_hh, h0):
+        return tuple(extension.rnn_sequence(x_gates, w_hh, h0, sizes, reverse, relu, True))
+
+    @forward.vjp
+    def backward(primals, cotangents, outputs):
+        d_output, d_h_n = cotangents[:2]
+        output, h_prev = outputs[0], outputs[2]
+        d_x_gates, d_h0 = extension.rnn_sequence_backward(primals[1], output, d_output, d_h_n, sizes, reverse, relu)
+        return d_x_gates, d_x_gates.T @ h_prev, d_h0
+
+    return forward
+
+
 def _check_lstm_sequence(x_gates, w_hh, h0, c0, batch_sizes, w_hr) -> tuple[int, ...]:
     """Check lstm_sequence's arguments against each other; returns the batch sizes as a tuple."""
     batch, hidden_size = check_state("c0", c0)
@@ -319,7 +359,13 @@ def gru_sequence(x_gates, w_hh, b_hh, h0, batch_sizes, reverse=False):
     check_float_array(b_hh, "b_hh", (3 * hidden_size,), h0.dtype)
     batch_sizes = check_batch_sizes(batch_sizes, x_gates.shape[0], batch, rows_name="x_gates")
     use_kernels = kernels.uses_kernels()
-    if not use_kernels and not is_traced(x_gates, w_hh, b_hh, h0):
+    traced = is_traced(x_gates, w_hh, b_hh, h0)
+    if not use_kernels and h0.dtype == mx.float32 and native.available():
+        if not traced:
+            extension = native.extension()
+            return tuple(extension.gru_sequence(x_gates, w_hh, b_hh, h0, list(batch_sizes), bool(reverse), False))
+        return _native_gru_function(batch_sizes, bool(reverse))(x_gates, w_hh, b_hh, h0)[:2]
+    if not use_kernels and not traced:
         return _gru_inference(x_gates, w_hh, b_hh, h0, _steps(batch_sizes, bool(reverse)))
     function = _gru_sequence_function(batch_sizes, bool(reverse), use_kernels)
     output, h_n = function(x_gates, w_hh, b_hh, h0)[:2]
@@ -372,7 +418,14 @@ def rnn_sequence(x_gates, w_hh, h0, batch_sizes, reverse=False, nonlinearity="ta
     check_float_array(w_hh, "w_hh", (hidden_size, hidden_size), h0.dtype)
     batch_sizes = check_batch_sizes(batch_sizes, x_gates.shape[0], batch, rows_name="x_gates")
     use_kernels = kernels.uses_kernels()
-    if not use_kernels and not is_traced(x_gates, w_hh, h0):
+    traced = is_traced(x_gates, w_hh, h0)
+    if not use_kernels and h0.dtype == mx.float32 and native.available():
+        relu = nonlinearity == "relu"
+        if not traced:
+            extension = native.extension()
+            return tuple(extension.rnn_sequence(x_gates, w_hh, h0, list(batch_sizes), bool(reverse), relu, False))
+        return _native_rnn_function(batch_sizes, bool(reverse), relu)(x_gates, w_hh, h0)[:2]
+    if not use_kernels and not traced:
         return _rnn_inference(x_gates, w_hh, h0, _steps(batch_sizes, bool(reverse)), nonlinearity)
     function = _rnn_sequence_function(batch_sizes, bool(reverse), nonlinearity, use_kernels)
     output, h_n = function(x_gates, w_hh, h0)[:2]

@@ -72,6 +72,42 @@ def test_forward_saved_arrays_and_backward_equal_the_ops_path(lengths, hidden_si
 
 
 @linux_only
+@settings(max_examples=25, deadline=None)
+@given(
+    lengths=st.lists(st.integers(1, 6), min_size=1, max_size=5),
+    hidden_size=st.integers(1, 40),
+    reverse=st.booleans(),
+    kind=st.sampled_from(["GRU", "RNN tanh", "RNN relu"]),
+    seed=st.integers(0, 1000),
+)
+def test_gru_and_rnn_outputs_and_gradients_equal_the_ops_path(lengths, hidden_size, reverse, kind, seed):
+    lengths = sorted(lengths, reverse=True)
+    batch_sizes = tuple(sum(length > t for length in lengths) for t in range(lengths[0]))
+    rows, batch = sum(batch_sizes), batch_sizes[0]
+    blocks = 3 if kind == "GRU" else 1
+    arguments = [random((rows, blocks * hidden_size), seed, 1.0), random((blocks * hidden_size, hidden_size), seed + 1)]
+    if kind == "GRU":
+        arguments.append(random((3 * hidden_size,), seed + 2))
+        ops = scan._gru_sequence_function(batch_sizes, reverse, False)
+        ours = scan._native_gru_function(batch_sizes, reverse)
+    else:
+        nonlinearity = kind.split()[1]
+        ops = scan._rnn_sequence_function(batch_sizes, reverse, nonlinearity, False)
+        ours = scan._native_rnn_function(batch_sizes, reverse, nonlinearity == "relu")
+    arguments.append(random((batch, hidden_size), seed + 3))
+    cotangents = [random((rows, hidden_size), seed + 4), random((batch, hidden_size), seed + 5)]
+    results = []
+    for function in (ops, ours):
+        with kernels.use_backend("ops"):
+            outputs = function(*arguments)
+            _, grads = mx.vjp(lambda *a, f=function: f(*a)[:2], arguments, cotangents)
+        results.append([*outputs, *grads])
+    assert len(results[0]) == len(results[1])
+    for position, (theirs, mine) in enumerate(zip(*results, strict=True)):
+        np.testing.assert_allclose(np.array(mine), np.array(theirs), **TOLERANCE, err_msg=f"{kind} result {position}")
+
+
+@linux_only
 def test_non_contiguous_arguments_are_read_as_their_values():
     x_gates = random((8, 12), 1).T.T  # a view
     w_hh_transposed = random((3, 12), 2).T  # (12, 3), column-major

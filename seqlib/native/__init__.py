@@ -3,11 +3,13 @@
 MLX's CPU backend runs an LSTM step as a matmul and about ten elementwise kernels, and
 on x86 those kernels are scalar code.  ``recurrent_cpu.cpp`` adds MLX primitives
 (``mlx::core::Primitive`` subclasses with ``eval_cpu``, MLX's documented way to add an
-operation) that run a whole LSTM layer-direction in one operation: per time step one
-OpenBLAS call and one loop of gate math vectorised for the host's CPU.
+operation) that run a whole LSTM, GRU or Elman RNN layer-direction in one operation: per
+time step one OpenBLAS call and one loop of gate math vectorised for the host's CPU.
 :mod:`seqlib.scan` uses them where :func:`available` says so, forward and backward; the
 MLX-ops path gives the same numbers within float32 rounding and stays in place
-everywhere else (other dtypes, a projected LSTM, the Metal kernels, macOS).
+everywhere else (other dtypes, a projected LSTM, the Metal kernels, macOS).  A call
+that no transformation traces runs the forward alone; under ``mx.grad`` the forward also
+saves what the backward primitive needs.
 
 The extension is compiled once per (source, MLX version, nanobind version, Python,
 CPU) with ``g++ -O3 -march=native`` and cached like the BLAS shim (``SEQLIB_CACHE_DIR``,

@@ -1,14 +1,20 @@
-// recurrent_cpu.cpp: an LSTM layer-direction over packed rows as MLX primitives on the CPU.
+// recurrent_cpu.cpp: a recurrent layer-direction (LSTM, GRU, Elman RNN) over packed rows as MLX
+// primitives on the CPU.
 //
-// The CPU counterpart of metal_kernels/lstm_sequence.metal.  MLX's own ops run a step as a
+// The CPU counterpart of metal_kernels/lstm_sequence.metal and gru_sequence.metal.  MLX's own ops run a step as a
 // matmul plus about ten elementwise kernels, each one pass over memory with scalar code
 // on x86; here the whole time loop runs inside one primitive: per step one BLAS call
 // (OpenBLAS, the recurrent matmul) and one loop of gate math that the compiler vectorises
 // for the host's vector units (-march=native).  seqlib.native builds this file against the
 // installed MLX on first use; seqlib.scan calls it, and wires the backward into autodiff.
 //
-//   LSTMSequence          forward: output, h_n, c_n, and (save) what the backward needs
-//   LSTMSequenceBackward  backward through the steps in reverse: d_x_gates, d_h0, d_c0
+//   LSTMSequence, GRUSequence, RNNSequence   forward: output, final state(s), and (save) what
+//                                            the backward needs
+//   ...SequenceBackward                      backward through the steps in reverse: the gradients
+//                                            of x_gates, of the initial state(s), and for the GRU
+//                                            of its hidden side (for dW_hh and db_hh)
+//
+// All are one primitive class, Sequence, that runs one of the loops below.
 //
 // Shapes (float32, row-major): N packed rows, B sequences, H units; x_gates (N, 4H) is
 // x W_ih^T + b_ih + b_hh in gate order i, f, g, o; w_hh (4H, H); h0, c0 (B, H).  At step t
@@ -81,188 +87,327 @@ void allocate(std::vector<mx::array>& outputs) {
   for (auto& out : outputs) out.set_data(mx::allocator::malloc(out.nbytes()));
 }
 
-class LSTMSequence : public mx::Primitive {
+constexpr int kSave = 1, kRelu = 2;  // bits of a primitive's option
+
+// What a primitive computes: its inputs and outputs, the steps in computing order, its option bits.
+using Runner = void (*)(std::vector<mx::array>& ins, std::vector<mx::array>& outs, const std::vector<Step>& steps,
+                        int option);
+
+// Every primitive here is one time loop; they differ only in the loop they run.
+class Sequence : public mx::Primitive {
  public:
-  LSTMSequence(mx::Stream stream, std::vector<int> batch_sizes, bool reverse, bool save)
-      : mx::Primitive(stream), batch_sizes_(std::move(batch_sizes)), reverse_(reverse), save_(save) {}
+  Sequence(mx::Stream stream, const char* name, Runner runner, std::vector<int> batch_sizes, bool reverse,
+           int option)
+      : mx::Primitive(stream), name_(name), runner_(runner), batch_sizes_(std::move(batch_sizes)),
+        reverse_(reverse), option_(option) {}
 
   void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override {
     allocate(outputs);
     auto& encoder = mx::cpu::get_command_encoder(stream());
-    for (auto& in : inputs) encoder.set_input_array(in);
-    for (auto& out : outputs) encoder.set_output_array(out);
     std::vector<mx::array> ins, outs;
-    for (auto& in : inputs) ins.push_back(mx::array::unsafe_weak_copy(in));
-    for (auto& out : outputs) outs.push_back(mx::array::unsafe_weak_copy(out));
-    encoder.dispatch([ins, outs, steps = steps_of(batch_sizes_, reverse_), save = save_]() mutable {
-      run(ins, outs, steps, save);
-    });
+    for (auto& in : inputs) {
+      encoder.set_input_array(in);
+      ins.push_back(mx::array::unsafe_weak_copy(in));
+    }
+    for (auto& out : outputs) {
+      encoder.set_output_array(out);
+      outs.push_back(mx::array::unsafe_weak_copy(out));
+    }
+    encoder.dispatch([ins, outs, runner = runner_, steps = steps_of(batch_sizes_, reverse_), option = option_]()
+                         mutable { runner(ins, outs, steps, option); });
   }
 
   void eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) override {
-    throw std::runtime_error("LSTMSequence runs on the CPU only");
+    throw std::runtime_error(std::string(name_) + " runs on the CPU only");
   }
 
-  const char* name() const override { return "LSTMSequence"; }
+  const char* name() const override { return name_; }
 
   bool is_equivalent(const mx::Primitive& other) const override {
-    auto& o = static_cast<const LSTMSequence&>(other);
-    return batch_sizes_ == o.batch_sizes_ && reverse_ == o.reverse_ && save_ == o.save_;
+    auto& o = static_cast<const Sequence&>(other);
+    return runner_ == o.runner_ && batch_sizes_ == o.batch_sizes_ && reverse_ == o.reverse_ && option_ == o.option_;
   }
 
  private:
-  static void run(std::vector<mx::array>& ins, std::vector<mx::array>& outs,
-                  const std::vector<Step>& steps, bool save) {
-    const float* x_gates = ins[0].data<float>();
-    const float* w_hh = ins[1].data<float>();
-    const int batch = ins[2].shape(0), hidden = ins[2].shape(1), gates = 4 * hidden;
-    float* output = outs[0].data<float>();
-    float* h = outs[1].data<float>();  // the state advances in place in h_n and c_n
-    float* c = outs[2].data<float>();
-    std::memcpy(h, ins[2].data<float>(), sizeof(float) * batch * hidden);
-    std::memcpy(c, ins[3].data<float>(), sizeof(float) * batch * hidden);
-    std::vector<float> pre(static_cast<size_t>(batch) * gates);
-    for (const Step& step : steps) {
-      // pre (rows, 4H) = x_gates[rows of the step] + h[:rows] @ w_hh^T
-      std::memcpy(pre.data(), x_gates + static_cast<size_t>(step.first) * gates,
-                  sizeof(float) * step.rows * gates);
-      if (save) {
-        std::memcpy(outs[6].data<float>() + static_cast<size_t>(step.first) * hidden, h,
-                    sizeof(float) * step.rows * hidden);
-        std::memcpy(outs[5].data<float>() + static_cast<size_t>(step.first) * hidden, c,
-                    sizeof(float) * step.rows * hidden);
-      }
-      scipy_cblas_sgemm(kRowMajor, kNoTrans, kTrans, step.rows, gates, hidden, 1.0f, h, hidden,
-                        w_hh, hidden, 1.0f, pre.data(), gates);
-      for (int r = 0; r < step.rows; ++r) {
-        float* a = pre.data() + static_cast<size_t>(r) * gates;  // becomes the activations
-        float* h_row = h + static_cast<size_t>(r) * hidden;
-        float* c_row = c + static_cast<size_t>(r) * hidden;
-        float* out_row = output + static_cast<size_t>(step.first + r) * hidden;
-        for (int j = 0; j < hidden; ++j) {
-          const float i = fast_sigmoid(a[j]), f = fast_sigmoid(a[hidden + j]);
-          const float g = fast_tanh(a[2 * hidden + j]), o = fast_sigmoid(a[3 * hidden + j]);
-          const float c_new = f * c_row[j] + i * g;
-          const float tanh_c = fast_tanh(c_new);
-          a[j] = i, a[hidden + j] = f, a[2 * hidden + j] = g, a[3 * hidden + j] = o;
-          c_row[j] = c_new;
-          h_row[j] = out_row[j] = o * tanh_c;
-          if (save) outs[4].data<float>()[static_cast<size_t>(step.first + r) * hidden + j] = tanh_c;
-        }
-        if (save) {
-          std::memcpy(outs[3].data<float>() + static_cast<size_t>(step.first + r) * gates, a,
-                      sizeof(float) * gates);
-        }
-      }
-    }
-  }
-
-  std::vector<int> batch_sizes_;
-  bool reverse_, save_;
-};
-
-class LSTMSequenceBackward : public mx::Primitive {
- public:
-  LSTMSequenceBackward(mx::Stream stream, std::vector<int> batch_sizes, bool reverse)
-      : mx::Primitive(stream), batch_sizes_(std::move(batch_sizes)), reverse_(reverse) {}
-
-  void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override {
-    allocate(outputs);
-    auto& encoder = mx::cpu::get_command_encoder(stream());
-    for (auto& in : inputs) encoder.set_input_array(in);
-    for (auto& out : outputs) encoder.set_output_array(out);
-    std::vector<mx::array> ins, outs;
-    for (auto& in : inputs) ins.push_back(mx::array::unsafe_weak_copy(in));
-    for (auto& out : outputs) outs.push_back(mx::array::unsafe_weak_copy(out));
-    encoder.dispatch([ins, outs, steps = steps_of(batch_sizes_, reverse_)]() mutable {
-      run(ins, outs, steps);
-    });
-  }
-
-  void eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) override {
-    throw std::runtime_error("LSTMSequenceBackward runs on the CPU only");
-  }
-
-  const char* name() const override { return "LSTMSequenceBackward"; }
-
-  bool is_equivalent(const mx::Primitive& other) const override {
-    auto& o = static_cast<const LSTMSequenceBackward&>(other);
-    return batch_sizes_ == o.batch_sizes_ && reverse_ == o.reverse_;
-  }
-
- private:
-  // inputs: w_hh (4H, H), activations (N, 4H), tanh_c, c_prev, d_output (N, H), d_h_n, d_c_n (B, H)
-  // outputs: d_x_gates (N, 4H), d_h0, d_c0 (B, H)
-  static void run(std::vector<mx::array>& ins, std::vector<mx::array>& outs, const std::vector<Step>& steps) {
-    const float* w_hh = ins[0].data<float>();
-    const float* activations = ins[1].data<float>();
-    const float* tanh_cs = ins[2].data<float>();
-    const float* c_prevs = ins[3].data<float>();
-    const float* d_output = ins[4].data<float>();
-    const int batch = ins[5].shape(0), hidden = ins[5].shape(1), gates = 4 * hidden;
-    float* d_x_gates = outs[0].data<float>();
-    float* d_h = outs[1].data<float>();  // the gradients flow back in place in d_h0 and d_c0
-    float* d_c = outs[2].data<float>();
-    std::memcpy(d_h, ins[5].data<float>(), sizeof(float) * batch * hidden);
-    std::memcpy(d_c, ins[6].data<float>(), sizeof(float) * batch * hidden);
-    for (auto step = steps.rbegin(); step != steps.rend(); ++step) {
-      for (int r = 0; r < step->rows; ++r) {
-        const size_t row = static_cast<size_t>(step->first + r);
-        const float* a = activations + row * gates;
-        float* d_a = d_x_gates + row * gates;
-        float* d_h_row = d_h + static_cast<size_t>(r) * hidden;
-        float* d_c_row = d_c + static_cast<size_t>(r) * hidden;
-        for (int j = 0; j < hidden; ++j) {
-          const float i = a[j], f = a[hidden + j], g = a[2 * hidden + j], o = a[3 * hidden + j];
-          const float tanh_c = tanh_cs[row * hidden + j];
-          const float d_out = d_output[row * hidden + j] + d_h_row[j];
-          const float dc = d_c_row[j] + d_out * o * (1 - tanh_c * tanh_c);
-          d_a[j] = dc * g * i * (1 - i);
-          d_a[hidden + j] = dc * c_prevs[row * hidden + j] * f * (1 - f);
-          d_a[2 * hidden + j] = dc * i * (1 - g * g);
-          d_a[3 * hidden + j] = d_out * tanh_c * o * (1 - o);
-          d_c_row[j] = dc * f;
-        }
-      }
-      // d_h[:rows] = d_gates (rows, 4H) @ w_hh (4H, H)
-      scipy_cblas_sgemm(kRowMajor, kNoTrans, kNoTrans, step->rows, hidden, gates, 1.0f,
-                        d_x_gates + static_cast<size_t>(step->first) * gates, gates, w_hh, hidden, 0.0f,
-                        d_h, hidden);
-    }
-  }
-
+  const char* name_;
+  Runner runner_;
   std::vector<int> batch_sizes_;
   bool reverse_;
+  int option_;
 };
+
+inline float* row_of(mx::array& array, int row) {
+  return array.data<float>() + static_cast<size_t>(row) * array.shape(1);
+}
+inline const float* row_of(const mx::array& array, int row) {
+  return array.data<float>() + static_cast<size_t>(row) * array.shape(1);
+}
+
+// rows x width floats from src to dst
+inline void copy_rows(float* dst, const float* src, int rows, int width) {
+  std::memcpy(dst, src, sizeof(float) * rows * width);
+}
+
+// ----------------------------------------------------------------- LSTM
+
+// ins: x_gates (N, 4H), w_hh (4H, H), h0, c0 (B, H)
+// outs: output (N, H), h_n, c_n (B, H) [, activations (N, 4H), tanh_c, c_prev, h_prev (N, H)]
+void lstm_forward(std::vector<mx::array>& ins, std::vector<mx::array>& outs, const std::vector<Step>& steps,
+                  int option) {
+  const bool save = option & kSave;
+  const int batch = ins[2].shape(0), hidden = ins[2].shape(1), gates = 4 * hidden;
+  float* h = outs[1].data<float>();  // the state advances in place in h_n and c_n
+  float* c = outs[2].data<float>();
+  copy_rows(h, ins[2].data<float>(), batch, hidden);
+  copy_rows(c, ins[3].data<float>(), batch, hidden);
+  std::vector<float> pre(static_cast<size_t>(batch) * gates);
+  for (const Step& step : steps) {
+    copy_rows(pre.data(), row_of(ins[0], step.first), step.rows, gates);
+    if (save) {
+      copy_rows(row_of(outs[6], step.first), h, step.rows, hidden);
+      copy_rows(row_of(outs[5], step.first), c, step.rows, hidden);
+    }
+    // pre (rows, 4H) = x_gates[rows of the step] + h[:rows] @ w_hh^T
+    scipy_cblas_sgemm(kRowMajor, kNoTrans, kTrans, step.rows, gates, hidden, 1.0f, h, hidden,
+                      ins[1].data<float>(), hidden, 1.0f, pre.data(), gates);
+    for (int r = 0; r < step.rows; ++r) {
+      float* a = pre.data() + static_cast<size_t>(r) * gates;  // becomes the activations
+      float* h_row = h + static_cast<size_t>(r) * hidden;
+      float* c_row = c + static_cast<size_t>(r) * hidden;
+      float* out_row = row_of(outs[0], step.first + r);
+      float* tanh_row = save ? row_of(outs[4], step.first + r) : nullptr;
+      for (int j = 0; j < hidden; ++j) {
+        const float i = fast_sigmoid(a[j]), f = fast_sigmoid(a[hidden + j]);
+        const float g = fast_tanh(a[2 * hidden + j]), o = fast_sigmoid(a[3 * hidden + j]);
+        const float c_new = f * c_row[j] + i * g;
+        const float tanh_c = fast_tanh(c_new);
+        a[j] = i, a[hidden + j] = f, a[2 * hidden + j] = g, a[3 * hidden + j] = o;
+        c_row[j] = c_new;
+        h_row[j] = out_row[j] = o * tanh_c;
+        if (save) tanh_row[j] = tanh_c;
+      }
+      if (save) copy_rows(row_of(outs[3], step.first + r), a, 1, gates);
+    }
+  }
+}
+
+// ins: w_hh (4H, H), activations (N, 4H), tanh_c, c_prev, d_output (N, H), d_h_n, d_c_n (B, H)
+// outs: d_x_gates (N, 4H), d_h0, d_c0 (B, H)
+void lstm_backward(std::vector<mx::array>& ins, std::vector<mx::array>& outs, const std::vector<Step>& steps, int) {
+  const int batch = ins[5].shape(0), hidden = ins[5].shape(1), gates = 4 * hidden;
+  float* d_h = outs[1].data<float>();  // the gradients flow back in place in d_h0 and d_c0
+  float* d_c = outs[2].data<float>();
+  copy_rows(d_h, ins[5].data<float>(), batch, hidden);
+  copy_rows(d_c, ins[6].data<float>(), batch, hidden);
+  for (auto step = steps.rbegin(); step != steps.rend(); ++step) {
+    for (int r = 0; r < step->rows; ++r) {
+      const int row = step->first + r;
+      const float *a = row_of(ins[1], row), *tanh_cs = row_of(ins[2], row), *c_prev = row_of(ins[3], row);
+      const float* d_output = row_of(ins[4], row);
+      float* d_a = row_of(outs[0], row);
+      float* d_h_row = d_h + static_cast<size_t>(r) * hidden;
+      float* d_c_row = d_c + static_cast<size_t>(r) * hidden;
+      for (int j = 0; j < hidden; ++j) {
+        const float i = a[j], f = a[hidden + j], g = a[2 * hidden + j], o = a[3 * hidden + j];
+        const float tanh_c = tanh_cs[j];
+        const float d_out = d_output[j] + d_h_row[j];
+        const float dc = d_c_row[j] + d_out * o * (1 - tanh_c * tanh_c);
+        d_a[j] = dc * g * i * (1 - i);
+        d_a[hidden + j] = dc * c_prev[j] * f * (1 - f);
+        d_a[2 * hidden + j] = dc * i * (1 - g * g);
+        d_a[3 * hidden + j] = d_out * tanh_c * o * (1 - o);
+        d_c_row[j] = dc * f;
+      }
+    }
+    // d_h[:rows] = d_gates (rows, 4H) @ w_hh (4H, H)
+    scipy_cblas_sgemm(kRowMajor, kNoTrans, kNoTrans, step->rows, hidden, gates, 1.0f, row_of(outs[0], step->first),
+                      gates, ins[0].data<float>(), hidden, 0.0f, d_h, hidden);
+  }
+}
+
+// ----------------------------------------------------------------- GRU (torch's: n = tanh(x_n + r (W_hn h + b_hn)))
+
+// ins: x_gates (N, 3H) = x W_ih^T + b_ih, w_hh (3H, H), b_hh (3H,), h0 (B, H)
+// outs: output (N, H), h_n (B, H) [, activations r, z, n (N, 3H), hidden_side (N, 3H), h_prev (N, H)]
+void gru_forward(std::vector<mx::array>& ins, std::vector<mx::array>& outs, const std::vector<Step>& steps,
+                 int option) {
+  const bool save = option & kSave;
+  const int batch = ins[3].shape(0), hidden = ins[3].shape(1), gates = 3 * hidden;
+  const float* b_hh = ins[2].data<float>();
+  float* h = outs[1].data<float>();
+  copy_rows(h, ins[3].data<float>(), batch, hidden);
+  std::vector<float> hidden_side(static_cast<size_t>(batch) * gates);
+  for (const Step& step : steps) {
+    for (int r = 0; r < step.rows; ++r) copy_rows(hidden_side.data() + static_cast<size_t>(r) * gates, b_hh, 1, gates);
+    if (save) copy_rows(row_of(outs[4], step.first), h, step.rows, hidden);
+    // hidden_side (rows, 3H) = b_hh + h[:rows] @ w_hh^T
+    scipy_cblas_sgemm(kRowMajor, kNoTrans, kTrans, step.rows, gates, hidden, 1.0f, h, hidden,
+                      ins[1].data<float>(), hidden, 1.0f, hidden_side.data(), gates);
+    for (int r = 0; r < step.rows; ++r) {
+      const float* x = row_of(ins[0], step.first + r);
+      const float* hs = hidden_side.data() + static_cast<size_t>(r) * gates;
+      float* h_row = h + static_cast<size_t>(r) * hidden;
+      float* out_row = row_of(outs[0], step.first + r);
+      float* a = save ? row_of(outs[2], step.first + r) : nullptr;
+      for (int j = 0; j < hidden; ++j) {
+        const float reset = fast_sigmoid(x[j] + hs[j]);
+        const float update = fast_sigmoid(x[hidden + j] + hs[hidden + j]);
+        const float n = fast_tanh(x[2 * hidden + j] + reset * hs[2 * hidden + j]);
+        h_row[j] = out_row[j] = n + update * (h_row[j] - n);
+        if (save) a[j] = reset, a[hidden + j] = update, a[2 * hidden + j] = n;
+      }
+      if (save) copy_rows(row_of(outs[3], step.first + r), hs, 1, gates);
+    }
+  }
+}
+
+// ins: w_hh (3H, H), activations (N, 3H), hidden_side (N, 3H), h_prev (N, H), d_output (N, H), d_h_n (B, H)
+// outs: d_input_side (N, 3H) (= d_x_gates), d_hidden_side (N, 3H), d_h0 (B, H)
+void gru_backward(std::vector<mx::array>& ins, std::vector<mx::array>& outs, const std::vector<Step>& steps, int) {
+  const int batch = ins[5].shape(0), hidden = ins[5].shape(1), gates = 3 * hidden;
+  float* d_h = outs[2].data<float>();
+  copy_rows(d_h, ins[5].data<float>(), batch, hidden);
+  for (auto step = steps.rbegin(); step != steps.rend(); ++step) {
+    for (int r = 0; r < step->rows; ++r) {
+      const int row = step->first + r;
+      const float *a = row_of(ins[1], row), *hs = row_of(ins[2], row), *h_prev = row_of(ins[3], row);
+      const float* d_output = row_of(ins[4], row);
+      float* d_input = row_of(outs[0], row);
+      float* d_hidden = row_of(outs[1], row);
+      float* d_h_row = d_h + static_cast<size_t>(r) * hidden;
+      for (int j = 0; j < hidden; ++j) {
+        const float reset = a[j], update = a[hidden + j], n = a[2 * hidden + j];
+        const float d_out = d_output[j] + d_h_row[j];
+        const float d_n = d_out * (1 - update) * (1 - n * n);
+        const float d_z = d_out * (h_prev[j] - n) * update * (1 - update);
+        const float d_r = d_n * hs[2 * hidden + j] * reset * (1 - reset);
+        d_input[j] = d_hidden[j] = d_r;
+        d_input[hidden + j] = d_hidden[hidden + j] = d_z;
+        d_input[2 * hidden + j] = d_n;
+        d_hidden[2 * hidden + j] = d_n * reset;
+        d_h_row[j] = d_out * update;  // the direct path; the recurrent one is added below
+      }
+    }
+    // d_h[:rows] += d_hidden_side (rows, 3H) @ w_hh (3H, H)
+    scipy_cblas_sgemm(kRowMajor, kNoTrans, kNoTrans, step->rows, hidden, gates, 1.0f, row_of(outs[1], step->first),
+                      gates, ins[0].data<float>(), hidden, 1.0f, d_h, hidden);
+  }
+}
+
+// ----------------------------------------------------------------- Elman RNN
+
+// ins: x_gates (N, H) = x W_ih^T + b_ih + b_hh, w_hh (H, H), h0 (B, H)
+// outs: output (N, H), h_n (B, H) [, h_prev (N, H)]
+void rnn_forward(std::vector<mx::array>& ins, std::vector<mx::array>& outs, const std::vector<Step>& steps,
+                 int option) {
+  const bool save = option & kSave, relu = option & kRelu;
+  const int batch = ins[2].shape(0), hidden = ins[2].shape(1);
+  float* h = outs[1].data<float>();
+  copy_rows(h, ins[2].data<float>(), batch, hidden);
+  std::vector<float> pre(static_cast<size_t>(batch) * hidden);
+  for (const Step& step : steps) {
+    copy_rows(pre.data(), row_of(ins[0], step.first), step.rows, hidden);
+    if (save) copy_rows(row_of(outs[2], step.first), h, step.rows, hidden);
+    scipy_cblas_sgemm(kRowMajor, kNoTrans, kTrans, step.rows, hidden, hidden, 1.0f, h, hidden,
+                      ins[1].data<float>(), hidden, 1.0f, pre.data(), hidden);
+    float* out = row_of(outs[0], step.first);
+    const size_t count = static_cast<size_t>(step.rows) * hidden;
+    for (size_t k = 0; k < count; ++k) {
+      const float x = pre[k];
+      h[k] = out[k] = relu ? (x < 0 ? 0.0f : x) : fast_tanh(x);  // relu keeps NaN, as torch's
+    }
+  }
+}
+
+// ins: w_hh (H, H), output (N, H), d_output (N, H), d_h_n (B, H); outs: d_pre (N, H) (= d_x_gates), d_h0 (B, H)
+void rnn_backward(std::vector<mx::array>& ins, std::vector<mx::array>& outs, const std::vector<Step>& steps,
+                  int option) {
+  const bool relu = option & kRelu;
+  const int batch = ins[3].shape(0), hidden = ins[3].shape(1);
+  float* d_h = outs[1].data<float>();
+  copy_rows(d_h, ins[3].data<float>(), batch, hidden);
+  for (auto step = steps.rbegin(); step != steps.rend(); ++step) {
+    const float* h = row_of(ins[1], step->first);
+    const float* d_output = row_of(ins[2], step->first);
+    float* d_pre = row_of(outs[0], step->first);
+    const size_t count = static_cast<size_t>(step->rows) * hidden;
+    for (size_t k = 0; k < count; ++k) {
+      const float d_out = d_output[k] + d_h[k];
+      d_pre[k] = relu ? (h[k] <= 0 ? 0.0f : d_out) : d_out * (1 - h[k] * h[k]);  // torch's threshold_backward
+    }
+    scipy_cblas_sgemm(kRowMajor, kNoTrans, kNoTrans, step->rows, hidden, hidden, 1.0f, d_pre, hidden,
+                      ins[0].data<float>(), hidden, 0.0f, d_h, hidden);
+  }
+}
+
+// ----------------------------------------------------------------- the operations Python calls
 
 mx::Stream cpu_stream() { return mx::default_stream(mx::Device(mx::Device::cpu)); }
 
+// The arrays of a Sequence primitive: float32 outputs of the given shapes, from row-contiguous inputs.
+std::vector<mx::array> sequence(const char* name, Runner runner, std::vector<mx::Shape> shapes,
+                                std::initializer_list<const mx::array*> inputs, std::vector<int> batch_sizes,
+                                bool reverse, int option) {
+  auto s = cpu_stream();
+  std::vector<mx::array> contiguous;
+  for (auto* array : inputs) contiguous.push_back(mx::contiguous(*array, false, s));
+  std::vector<mx::Dtype> dtypes(shapes.size(), mx::float32);
+  auto primitive = std::make_shared<Sequence>(s, name, runner, std::move(batch_sizes), reverse, option);
+  return mx::array::make_arrays(std::move(shapes), dtypes, primitive, contiguous);
+}
+
 std::vector<mx::array> lstm_sequence(const mx::array& x_gates, const mx::array& w_hh, const mx::array& h0,
                                      const mx::array& c0, std::vector<int> batch_sizes, bool reverse, bool save) {
-  auto s = cpu_stream();
-  const int rows = x_gates.shape(0), batch = h0.shape(0), hidden = h0.shape(1);
-  std::vector<mx::Shape> shapes = {{rows, hidden}, {batch, hidden}, {batch, hidden}};
-  if (save) shapes.insert(shapes.end(), {{rows, 4 * hidden}, {rows, hidden}, {rows, hidden}, {rows, hidden}});
-  std::vector<mx::Dtype> dtypes(shapes.size(), mx::float32);
-  std::vector<mx::array> inputs;
-  for (auto* array : {&x_gates, &w_hh, &h0, &c0}) inputs.push_back(mx::contiguous(*array, false, s));
-  return mx::array::make_arrays(std::move(shapes), dtypes,
-                                std::make_shared<LSTMSequence>(s, std::move(batch_sizes), reverse, save), inputs);
+  const int n = x_gates.shape(0), b = h0.shape(0), h = h0.shape(1);
+  std::vector<mx::Shape> shapes = {{n, h}, {b, h}, {b, h}};
+  if (save) shapes.insert(shapes.end(), {{n, 4 * h}, {n, h}, {n, h}, {n, h}});
+  return sequence("LSTMSequence", lstm_forward, shapes, {&x_gates, &w_hh, &h0, &c0}, std::move(batch_sizes), reverse,
+                  save ? kSave : 0);
 }
 
 std::vector<mx::array> lstm_sequence_backward(const mx::array& w_hh, const mx::array& activations,
                                               const mx::array& tanh_c, const mx::array& c_prev,
                                               const mx::array& d_output, const mx::array& d_h_n,
                                               const mx::array& d_c_n, std::vector<int> batch_sizes, bool reverse) {
-  auto s = cpu_stream();
-  const int rows = activations.shape(0), batch = d_h_n.shape(0), hidden = d_h_n.shape(1);
-  std::vector<mx::Shape> shapes = {{rows, 4 * hidden}, {batch, hidden}, {batch, hidden}};
-  std::vector<mx::array> inputs;
-  for (auto* array : {&w_hh, &activations, &tanh_c, &c_prev, &d_output, &d_h_n, &d_c_n}) {
-    inputs.push_back(mx::contiguous(*array, false, s));
-  }
-  return mx::array::make_arrays(std::move(shapes), {mx::float32, mx::float32, mx::float32},
-                                std::make_shared<LSTMSequenceBackward>(s, std::move(batch_sizes), reverse), inputs);
+  const int n = activations.shape(0), b = d_h_n.shape(0), h = d_h_n.shape(1);
+  return sequence("LSTMSequenceBackward", lstm_backward, {{n, 4 * h}, {b, h}, {b, h}},
+                  {&w_hh, &activations, &tanh_c, &c_prev, &d_output, &d_h_n, &d_c_n}, std::move(batch_sizes),
+                  reverse, 0);
+}
+
+std::vector<mx::array> gru_sequence(const mx::array& x_gates, const mx::array& w_hh, const mx::array& b_hh,
+                                    const mx::array& h0, std::vector<int> batch_sizes, bool reverse, bool save) {
+  const int n = x_gates.shape(0), b = h0.shape(0), h = h0.shape(1);
+  std::vector<mx::Shape> shapes = {{n, h}, {b, h}};
+  if (save) shapes.insert(shapes.end(), {{n, 3 * h}, {n, 3 * h}, {n, h}});
+  return sequence("GRUSequence", gru_forward, shapes, {&x_gates, &w_hh, &b_hh, &h0}, std::move(batch_sizes), reverse,
+                  save ? kSave : 0);
+}
+
+std::vector<mx::array> gru_sequence_backward(const mx::array& w_hh, const mx::array& activations,
+                                             const mx::array& hidden_side, const mx::array& h_prev,
+                                             const mx::array& d_output, const mx::array& d_h_n,
+                                             std::vector<int> batch_sizes, bool reverse) {
+  const int n = activations.shape(0), b = d_h_n.shape(0), h = d_h_n.shape(1);
+  return sequence("GRUSequenceBackward", gru_backward, {{n, 3 * h}, {n, 3 * h}, {b, h}},
+                  {&w_hh, &activations, &hidden_side, &h_prev, &d_output, &d_h_n}, std::move(batch_sizes), reverse, 0);
+}
+
+std::vector<mx::array> rnn_sequence(const mx::array& x_gates, const mx::array& w_hh, const mx::array& h0,
+                                    std::vector<int> batch_sizes, bool reverse, bool relu, bool save) {
+  const int n = x_gates.shape(0), b = h0.shape(0), h = h0.shape(1);
+  std::vector<mx::Shape> shapes = {{n, h}, {b, h}};
+  if (save) shapes.push_back({n, h});
+  return sequence("RNNSequence", rnn_forward, shapes, {&x_gates, &w_hh, &h0}, std::move(batch_sizes), reverse,
+                  (save ? kSave : 0) | (relu ? kRelu : 0));
+}
+
+std::vector<mx::array> rnn_sequence_backward(const mx::array& w_hh, const mx::array& output, const mx::array& d_output,
+                                             const mx::array& d_h_n, std::vector<int> batch_sizes, bool reverse,
+                                             bool relu) {
+  const int n = output.shape(0), b = d_h_n.shape(0), h = d_h_n.shape(1);
+  return sequence("RNNSequenceBackward", rnn_backward, {{n, h}, {b, h}}, {&w_hh, &output, &d_output, &d_h_n},
+                  std::move(batch_sizes), reverse, relu ? kRelu : 0);
 }
 
 }  // namespace
@@ -273,4 +418,12 @@ NB_MODULE(_recurrent_cpu, m) {
         "save"_a);
   m.def("lstm_sequence_backward", &lstm_sequence_backward, "w_hh"_a, "activations"_a, "tanh_c"_a, "c_prev"_a,
         "d_output"_a, "d_h_n"_a, "d_c_n"_a, "batch_sizes"_a, "reverse"_a);
+  m.def("gru_sequence", &gru_sequence, "x_gates"_a, "w_hh"_a, "b_hh"_a, "h0"_a, "batch_sizes"_a, "reverse"_a,
+        "save"_a);
+  m.def("gru_sequence_backward", &gru_sequence_backward, "w_hh"_a, "activations"_a, "hidden_side"_a, "h_prev"_a,
+        "d_output"_a, "d_h_n"_a, "batch_sizes"_a, "reverse"_a);
+  m.def("rnn_sequence", &rnn_sequence, "x_gates"_a, "w_hh"_a, "h0"_a, "batch_sizes"_a, "reverse"_a, "relu"_a,
+        "save"_a);
+  m.def("rnn_sequence_backward", &rnn_sequence_backward, "w_hh"_a, "output"_a, "d_output"_a, "d_h_n"_a,
+        "batch_sizes"_a, "reverse"_a, "relu"_a);
 }
