@@ -62,7 +62,7 @@ $(VENV)/.test-installed: requirements-test.txt $(VENV)/.book-installed
 # the requirements. `make test` right after `make book` reuses the build; `make clean` forces one.
 BOOK_STAMP   := _build/.book-built
 BOOK_SOURCES := $(wildcard chapters/*.ipynb _config.yml _toc.yml requirements.txt pyproject.toml metal_kernels/*) \
-                $(shell find seqlib book -type f \( -name '*.py' -o -name '*.c' -o -name '*.h' -o -name '*.md' \
+                $(shell find seqlib book -type f \( -name '*.py' -o -name '*.c' -o -name '*.cpp' -o -name '*.h' -o -name '*.md' \
                     -o -name '*.bib' -o -name '*.js' -o -name '*.css' -o -name '*.rst' -o -name '*.svg' -o -name '*.png' \
                     -o -name '*.wav' -o -name '*.ipynb' \) -not -path 'book/vendor/*' -not -name 'screenshot*.png' -not -path '*/__pycache__/*' \
                     -not -path '*/.ipynb_checkpoints/*' 2>/dev/null)

@@ -30,7 +30,7 @@ def main() -> int:
     parser.add_argument("--page", default="chapters/04_lstm_one_unit.html", help="page of the built site")
     parser.add_argument("--out", default="book/assets/screenshot.png", help="PNG to write")
     parser.add_argument("--width", type=int, default=1280)
-    parser.add_argument("--height", type=int, default=1700)
+    parser.add_argument("--height", type=int, default=1860)
     parser.add_argument("--scroll-to", default="", help="CSS selector to scroll into view first (optional)")
     args = parser.parse_args()
 
