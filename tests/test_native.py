@@ -20,7 +20,11 @@ from hypothesis import strategies as st
 from seqlib import kernels, native, scan
 
 linux_only = pytest.mark.skipif(sys.platform != "linux", reason="the primitives are built on Linux only")
+# The ops path's custom function, traced by mx.vjp, runs its gate math with mx.tanh; the primitives use
+# fast_tanh (within 3.8e-7): outputs agree to a few 1e-7, and weight gradients, sums over every row, to
+# a few 1e-6 of the terms they add up.
 TOLERANCE = {"rtol": 1e-5, "atol": 2e-6}
+GRADIENT_TOLERANCE = {"rtol": 1e-4, "atol": 2e-5}
 
 
 def random(shape, seed, scale=0.5):
@@ -68,7 +72,7 @@ def test_forward_saved_arrays_and_backward_equal_the_ops_path(lengths, hidden_si
     _, grads = mx.vjp(lambda *a: scan._native_lstm_function(tuple(batch_sizes), reverse)(*a)[:3], arguments,
                       cotangents)  # fmt: skip
     for ours, theirs, name in zip(grads, want_grads, ["x_gates", "w_hh", "h0", "c0"], strict=True):
-        np.testing.assert_allclose(np.array(ours), np.array(theirs), **TOLERANCE, err_msg=name)
+        np.testing.assert_allclose(np.array(ours), np.array(theirs), **GRADIENT_TOLERANCE, err_msg=name)
 
 
 @linux_only
@@ -104,7 +108,8 @@ def test_gru_and_rnn_outputs_and_gradients_equal_the_ops_path(lengths, hidden_si
         results.append([*outputs, *grads])
     assert len(results[0]) == len(results[1])
     for position, (theirs, mine) in enumerate(zip(*results, strict=True)):
-        np.testing.assert_allclose(np.array(mine), np.array(theirs), **TOLERANCE, err_msg=f"{kind} result {position}")
+        tolerance = TOLERANCE if position < len(results[0]) - len(arguments) else GRADIENT_TOLERANCE
+        np.testing.assert_allclose(np.array(mine), np.array(theirs), **tolerance, err_msg=f"{kind} result {position}")
 
 
 @linux_only

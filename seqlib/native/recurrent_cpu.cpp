@@ -350,7 +350,10 @@ std::vector<mx::array> sequence(const char* name, Runner runner, std::vector<mx:
                                 bool reverse, int option) {
   auto s = cpu_stream();
   std::vector<mx::array> contiguous;
-  for (auto* array : inputs) contiguous.push_back(mx::contiguous(*array, false, s));
+  for (auto* array : inputs) {  // an evaluated row-contiguous array (a weight, a state) is used as it is
+    const bool ready = array->is_available() && array->flags().row_contiguous;
+    contiguous.push_back(ready ? *array : mx::contiguous(*array, false, s));
+  }
   std::vector<mx::Dtype> dtypes(shapes.size(), mx::float32);
   auto primitive = std::make_shared<Sequence>(s, name, runner, std::move(batch_sizes), reverse, option);
   return mx::array::make_arrays(std::move(shapes), dtypes, primitive, contiguous);
