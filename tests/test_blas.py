@@ -153,3 +153,20 @@ def test_the_environment_variable_turns_routing_off_silently():
     result = run_python("import seqlib; print(seqlib.blas_status().reason)", SEQLIB_BLAS="0")
     assert result.returncode == 0 and result.stderr == ""
     assert "SEQLIB_BLAS=0" in result.stdout
+
+
+@linux_only
+def test_small_products_run_on_one_openblas_thread_and_large_ones_on_all():
+    """A recurrent step's small GEMM handed to several threads waited on them: 10x slower on a busy machine."""
+    result = run_python("""
+        import ctypes, os, scipy_openblas32, seqlib, mlx.core as mx
+        openblas = ctypes.CDLL(os.path.join(scipy_openblas32.get_lib_dir(), "libscipy_openblas.so"))
+        threads = []
+        for size in (8, 512, 16):  # 512 multiply-adds, 134 million, 4,096
+            a = mx.ones((size, size))
+            mx.eval(a @ a)
+            threads.append(openblas.scipy_openblas_get_num_threads())
+        print(threads)
+    """, OPENBLAS_NUM_THREADS="2")
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "[1, 2, 1]"

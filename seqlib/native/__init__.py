@@ -63,13 +63,11 @@ def _build(target_dir: Path) -> Path:
     """Compile the extension unless a build for this MLX, nanobind, Python and CPU is cached; return its path."""
     import mlx.core as mx
     import nanobind
-    import scipy_openblas32
 
     mlx_dir = Path(mx.__file__).parent
-    openblas_dir = scipy_openblas32.get_lib_dir()
     suffix = importlib.machinery.EXTENSION_SUFFIXES[0]
     key_text = "|".join([SOURCE.read_text(), mx.__version__, nanobind.__version__, sys.version, _cpu_key(),
-                         str(mlx_dir), openblas_dir])  # fmt: skip
+                         str(mlx_dir)])  # fmt: skip
     key = hashlib.sha256(key_text.encode()).hexdigest()[:16]
     target = target_dir / f"native-{key}" / f"{_MODULE}{suffix}"
     if target.exists():
@@ -87,8 +85,7 @@ def _build(target_dir: Path) -> Path:
         f"-I{sysconfig.get_paths()['include']}", f"-I{mlx_dir / 'include'}",
         str(Path(nanobind.source_dir()) / "nb_combined.cpp"), str(SOURCE), "-o", str(partial),
         f"-L{mlx_dir / 'lib'}", "-lmlx", f"-Wl,-rpath,{mlx_dir / 'lib'}",
-        f"-L{openblas_dir}", "-lscipy_openblas", f"-Wl,-rpath,{openblas_dir}",
-    ]  # fmt: skip
+    ]  # fmt: skip  (cblas_sgemm comes from seqlib's BLAS shim, loaded globally, else from MLX's own BLAS)
     subprocess.run(command, check=True, capture_output=True)
     os.replace(partial, target)  # atomic: parallel first uses never load half a file
     return target

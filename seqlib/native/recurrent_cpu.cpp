@@ -4,7 +4,7 @@
 // The CPU counterpart of metal_kernels/lstm_sequence.metal and gru_sequence.metal.  MLX's own ops run a step as a
 // matmul plus about ten elementwise kernels, each one pass over memory with scalar code
 // on x86; here the whole time loop runs inside one primitive: per step one BLAS call
-// (OpenBLAS, the recurrent matmul) and one loop of gate math that the compiler vectorises
+// (OpenBLAS through seqlib's BLAS shim, the recurrent matmul) and one loop of gate math that the compiler vectorises
 // for the host's vector units (-march=native).  seqlib.native builds this file against the
 // installed MLX on first use; seqlib.scan calls it, and wires the backward into autodiff.
 //
@@ -42,9 +42,10 @@ namespace nb = nanobind;
 namespace mx = mlx::core;
 using namespace nb::literals;
 
-extern "C" void scipy_cblas_sgemm(int order, int trans_a, int trans_b, int m, int n, int k,
-                                  float alpha, const float* a, int lda, const float* b, int ldb,
-                                  float beta, float* c, int ldc);
+// By its plain CBLAS name: seqlib's BLAS shim (seqlib/_blas_shim.c, loaded globally before this
+// library) serves it with OpenBLAS, single-threaded for the small products of a step.
+extern "C" void cblas_sgemm(int order, int trans_a, int trans_b, int m, int n, int k, float alpha,
+                            const float* a, int lda, const float* b, int ldb, float beta, float* c, int ldc);
 
 namespace {
 
@@ -168,7 +169,7 @@ void lstm_forward(std::vector<mx::array>& ins, std::vector<mx::array>& outs, con
       copy_rows(row_of(outs[5], step.first), c, step.rows, hidden);
     }
     // pre (rows, 4H) = x_gates[rows of the step] + h[:rows] @ w_hh^T
-    scipy_cblas_sgemm(kRowMajor, kNoTrans, kTrans, step.rows, gates, hidden, 1.0f, h, hidden,
+    cblas_sgemm(kRowMajor, kNoTrans, kTrans, step.rows, gates, hidden, 1.0f, h, hidden,
                       ins[1].data<float>(), hidden, 1.0f, pre.data(), gates);
     for (int r = 0; r < step.rows; ++r) {
       float* a = pre.data() + static_cast<size_t>(r) * gates;  // becomes the activations
@@ -220,7 +221,7 @@ void lstm_backward(std::vector<mx::array>& ins, std::vector<mx::array>& outs, co
       }
     }
     // d_h[:rows] = d_gates (rows, 4H) @ w_hh (4H, H)
-    scipy_cblas_sgemm(kRowMajor, kNoTrans, kNoTrans, step->rows, hidden, gates, 1.0f, row_of(outs[0], step->first),
+    cblas_sgemm(kRowMajor, kNoTrans, kNoTrans, step->rows, hidden, gates, 1.0f, row_of(outs[0], step->first),
                       gates, ins[0].data<float>(), hidden, 0.0f, d_h, hidden);
   }
 }
@@ -241,7 +242,7 @@ void gru_forward(std::vector<mx::array>& ins, std::vector<mx::array>& outs, cons
     for (int r = 0; r < step.rows; ++r) copy_rows(hidden_side.data() + static_cast<size_t>(r) * gates, b_hh, 1, gates);
     if (save) copy_rows(row_of(outs[4], step.first), h, step.rows, hidden);
     // hidden_side (rows, 3H) = b_hh + h[:rows] @ w_hh^T
-    scipy_cblas_sgemm(kRowMajor, kNoTrans, kTrans, step.rows, gates, hidden, 1.0f, h, hidden,
+    cblas_sgemm(kRowMajor, kNoTrans, kTrans, step.rows, gates, hidden, 1.0f, h, hidden,
                       ins[1].data<float>(), hidden, 1.0f, hidden_side.data(), gates);
     for (int r = 0; r < step.rows; ++r) {
       const float* x = row_of(ins[0], step.first + r);
@@ -289,7 +290,7 @@ void gru_backward(std::vector<mx::array>& ins, std::vector<mx::array>& outs, con
       }
     }
     // d_h[:rows] += d_hidden_side (rows, 3H) @ w_hh (3H, H)
-    scipy_cblas_sgemm(kRowMajor, kNoTrans, kNoTrans, step->rows, hidden, gates, 1.0f, row_of(outs[1], step->first),
+    cblas_sgemm(kRowMajor, kNoTrans, kNoTrans, step->rows, hidden, gates, 1.0f, row_of(outs[1], step->first),
                       gates, ins[0].data<float>(), hidden, 1.0f, d_h, hidden);
   }
 }
@@ -308,7 +309,7 @@ void rnn_forward(std::vector<mx::array>& ins, std::vector<mx::array>& outs, cons
   for (const Step& step : steps) {
     copy_rows(pre.data(), row_of(ins[0], step.first), step.rows, hidden);
     if (save) copy_rows(row_of(outs[2], step.first), h, step.rows, hidden);
-    scipy_cblas_sgemm(kRowMajor, kNoTrans, kTrans, step.rows, hidden, hidden, 1.0f, h, hidden,
+    cblas_sgemm(kRowMajor, kNoTrans, kTrans, step.rows, hidden, hidden, 1.0f, h, hidden,
                       ins[1].data<float>(), hidden, 1.0f, pre.data(), hidden);
     float* out = row_of(outs[0], step.first);
     const size_t count = static_cast<size_t>(step.rows) * hidden;
@@ -335,7 +336,7 @@ void rnn_backward(std::vector<mx::array>& ins, std::vector<mx::array>& outs, con
       const float d_out = d_output[k] + d_h[k];
       d_pre[k] = relu ? (h[k] <= 0 ? 0.0f : d_out) : d_out * (1 - h[k] * h[k]);  // torch's threshold_backward
     }
-    scipy_cblas_sgemm(kRowMajor, kNoTrans, kNoTrans, step->rows, hidden, hidden, 1.0f, d_pre, hidden,
+    cblas_sgemm(kRowMajor, kNoTrans, kNoTrans, step->rows, hidden, hidden, 1.0f, d_pre, hidden,
                       ins[0].data<float>(), hidden, 0.0f, d_h, hidden);
   }
 }
