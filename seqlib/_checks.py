@@ -178,18 +178,23 @@ def check_batch_sizes(batch_sizes, total_rows: int | None = None, batch: int | N
     return sizes
 
 
+_FLOATING = frozenset(dtype for dtype in (mx.float16, mx.bfloat16, mx.float32, mx.float64))
+
+
 def check_float_array(value, name: str, shape: tuple | None = None, dtype=None) -> None:
     """Raise unless ``value`` is a floating mx.array of ``dtype`` (if given) and ``shape`` (None entries: any size)."""
     if not isinstance(value, mx.array):
         raise TypeError(f"{name}: expected an mlx.core.array, got {type(value).__name__}")
-    if not mx.issubdtype(value.dtype, mx.floating):
-        raise TypeError(f"{name}: expected a floating dtype, got {value.dtype}")
-    if dtype is not None and value.dtype != dtype:
-        raise TypeError(f"{name}: expected dtype {dtype} (that of the other arguments), got {value.dtype}")
+    value_dtype = value.dtype
+    if value_dtype not in _FLOATING:
+        raise TypeError(f"{name}: expected a floating dtype, got {value_dtype}")
+    if dtype is not None and value_dtype != dtype:
+        raise TypeError(f"{name}: expected dtype {dtype} (that of the other arguments), got {value_dtype}")
     if shape is None:
         return
-    if value.ndim != len(shape) or any(
-        size is not None and size != got for size, got in zip(shape, value.shape, strict=True)
+    value_shape = value.shape
+    if len(value_shape) != len(shape) or any(
+        size is not None and size != got for size, got in zip(shape, value_shape, strict=True)
     ):
         expected = tuple("*" if size is None else size for size in shape)
         raise ValueError(f"{name}: expected shape {expected}".replace("'*'", "*") + f", got {tuple(value.shape)}")
