@@ -89,7 +89,7 @@ unit: $(VENV)/.test-installed  ## the library's unit tests (seqlib against PyTor
 
 # The modules' torch-parity tests again, with every module on its Metal path through seqlib.emulation.
 PARITY_TESTS := tests/test_cells.py tests/test_embedding.py tests/test_embedding_bag.py tests/test_recurrent_layers.py \
-                tests/test_sparse.py tests/test_packing.py tests/test_interop.py
+                tests/test_sparse.py tests/test_packing.py tests/test_interop.py tests/test_streaming.py
 
 unit-emulate: $(VENV)/.test-installed  ## the torch-parity tests with SEQLIB_BACKEND=emulate (the kernels, emulated)
 	@echo "==> torch-parity tests on the emulated Metal kernels (SEQLIB_BACKEND=emulate)"
