@@ -17,12 +17,11 @@
  * For the small products of a recurrent step (batch 1: 1 x 4H x H) the
  * hand-off costs more than the arithmetic, and on a busy machine waiting for
  * a descheduled thread made such steps 10x slower.  Products below
- * SMALL_GEMM multiply-adds run on one thread; larger ones on all of them
- * (OPENBLAS_NUM_THREADS, or every core).  seqlib.native's primitives call
+ * SMALL_GEMM multiply-adds run on one thread; larger ones on as many as
+ * OpenBLAS is set to use (OPENBLAS_NUM_THREADS, threadpoolctl, ...).  seqlib.native's primitives call
  * cblas_sgemm by its plain name and so come here too.
  */
 #include <stdint.h>
-#include <stdlib.h>
 
 /* CBLAS enums are passed as ints; the values are the same in every CBLAS. */
 extern void scipy_cblas_sgemm(int order, int trans_a, int trans_b, int m, int n, int k,
@@ -41,15 +40,27 @@ extern int scipy_openblas_get_num_threads(void);
 #define EXPORT __attribute__((visibility("default")))
 #define SMALL_GEMM (1LL << 22) /* multiply-adds: about a millisecond's work on one core */
 
-static int all_threads = 0; /* OpenBLAS's own choice, read when the shim is loaded */
+/* The number of threads the last forwarded call ran on, for the tests. */
+static volatile int last_call_threads = 0;
 
-__attribute__((constructor)) static void remember_thread_count(void) {
-  all_threads = scipy_openblas_get_num_threads();
+EXPORT int seqlib_blas_shim_last_threads(void) { return last_call_threads; }
+
+/* Before a product: one thread if it is small.  Returns the thread count to restore after it (0:
+ * none).  Larger products run on as many threads as OpenBLAS is set to use (OPENBLAS_NUM_THREADS,
+ * threadpoolctl, the user): the shim lowers the count for a call, never raises it. */
+static int threads_for(long long multiply_adds) {
+  int threads = scipy_openblas_get_num_threads();
+  if (multiply_adds >= SMALL_GEMM || threads <= 1) {
+    last_call_threads = threads;
+    return 0;
+  }
+  scipy_openblas_set_num_threads(1);
+  last_call_threads = 1;
+  return threads;
 }
 
-static void use_threads_for(long long multiply_adds) {
-  int wanted = multiply_adds < SMALL_GEMM || all_threads < 1 ? 1 : all_threads;
-  if (scipy_openblas_get_num_threads() != wanted) scipy_openblas_set_num_threads(wanted);
+static void restore_threads(int threads) {
+  if (threads > 0) scipy_openblas_set_num_threads(threads);
 }
 
 /* Counts forwarded calls, so seqlib can check that MLX really calls us. */
@@ -61,22 +72,25 @@ EXPORT void cblas_sgemm(int order, int trans_a, int trans_b, int m, int n, int k
                         float alpha, const float *a, int lda,
                         const float *b, int ldb, float beta, float *c, int ldc) {
   __atomic_add_fetch(&forwarded_calls, 1, __ATOMIC_RELAXED);
-  use_threads_for((long long)m * n * k);
+  int restore = threads_for((long long)m * n * k);
   scipy_cblas_sgemm(order, trans_a, trans_b, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc);
+  restore_threads(restore);
 }
 
 EXPORT void cblas_dgemm(int order, int trans_a, int trans_b, int m, int n, int k,
                         double alpha, const double *a, int lda,
                         const double *b, int ldb, double beta, double *c, int ldc) {
   __atomic_add_fetch(&forwarded_calls, 1, __ATOMIC_RELAXED);
-  use_threads_for((long long)m * n * k);
+  int restore = threads_for((long long)m * n * k);
   scipy_cblas_dgemm(order, trans_a, trans_b, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc);
+  restore_threads(restore);
 }
 
 EXPORT void cblas_cgemm(int order, int trans_a, int trans_b, int m, int n, int k,
                         const void *alpha, const void *a, int lda,
                         const void *b, int ldb, const void *beta, void *c, int ldc) {
   __atomic_add_fetch(&forwarded_calls, 1, __ATOMIC_RELAXED);
-  use_threads_for((long long)m * n * k);
+  int restore = threads_for((long long)m * n * k);
   scipy_cblas_cgemm(order, trans_a, trans_b, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc);
+  restore_threads(restore);
 }

@@ -101,7 +101,8 @@ def test_the_shim_exports_only_mlxs_three_gemm_names():
     shim_path = seqlib.blas_status().shim_path
     listing = subprocess.run(["nm", "-D", "--defined-only", shim_path], capture_output=True, text=True).stdout
     functions = {line.split()[-1] for line in listing.splitlines() if " T " in line}
-    assert functions == {"cblas_sgemm", "cblas_dgemm", "cblas_cgemm", "seqlib_blas_shim_calls"}
+    assert functions == {"cblas_sgemm", "cblas_dgemm", "cblas_cgemm", "seqlib_blas_shim_calls",
+                         "seqlib_blas_shim_last_threads"}
 
 
 MLX_FIRST = """
@@ -156,17 +157,21 @@ def test_the_environment_variable_turns_routing_off_silently():
 
 
 @linux_only
-def test_small_products_run_on_one_openblas_thread_and_large_ones_on_all():
-    """A recurrent step's small GEMM handed to several threads waited on them: 10x slower on a busy machine."""
+def test_small_products_run_on_one_openblas_thread_and_large_ones_on_all_it_may_use():
+    """A recurrent step's small GEMM handed to several threads waited on them: 10x slower on a busy machine.
+    The shim lowers the thread count for such calls and restores it; it never raises it (threadpoolctl)."""
     result = run_python("""
         import ctypes, os, scipy_openblas32, seqlib, mlx.core as mx
         openblas = ctypes.CDLL(os.path.join(scipy_openblas32.get_lib_dir(), "libscipy_openblas.so"))
-        threads = []
-        for size in (8, 512, 16):  # 512 multiply-adds, 134 million, 4,096
+        last = ctypes.CDLL(seqlib.blas_status().shim_path).seqlib_blas_shim_last_threads
+        used, after = [], []
+        for limit, size in ((2, 8), (2, 512), (2, 16), (1, 512)):  # 512, 134 million, 4,096 multiply-adds
+            openblas.scipy_openblas_set_num_threads(limit)  # as threadpoolctl would
             a = mx.ones((size, size))
             mx.eval(a @ a)
-            threads.append(openblas.scipy_openblas_get_num_threads())
-        print(threads)
+            used.append(last())
+            after.append(openblas.scipy_openblas_get_num_threads())
+        print(used, after)
     """, OPENBLAS_NUM_THREADS="2")
     assert result.returncode == 0, result.stderr
-    assert result.stdout.strip() == "[1, 2, 1]"
+    assert result.stdout.strip() == "[1, 2, 1, 1] [2, 2, 2, 1]"
