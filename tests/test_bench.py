@@ -1,5 +1,6 @@
 """The benchmark harness runs end to end (small sizes) and validates before it times."""
 
+import platform
 import subprocess
 import sys
 
@@ -97,3 +98,12 @@ def test_the_quick_cases_agree_with_the_ops_path_without_timing():
     for case in kernel_suite.quick_cases("emulate"):
         errors = kernel_suite.max_errors(case)
         assert errors and max(errors.values()) <= case.tolerance, (case.name, errors)
+
+
+@pytest.mark.skipif(platform.machine() != "x86_64" or sys.platform != "linux", reason="x86 flags of /proc/cpuinfo")
+def test_benchmarks_name_the_cpu_and_its_vector_extensions():
+    from seqlib.bench import cpu_vector_extensions
+
+    described = cpu_vector_extensions()
+    model, _, extensions = described.partition("; vector extensions: ")
+    assert model and "sse4_2" in extensions.split(), described

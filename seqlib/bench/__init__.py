@@ -42,7 +42,12 @@ def cpu_vector_extensions() -> str:
             info = file.read()
     except OSError:
         return f"{platform.machine()} {platform.processor()}".strip()  # macOS: Apple silicon has NEON
-    fields = dict(line.split(":", 1) for line in info.splitlines()[:40] if ":" in line)
+    fields = {}
+    for line in info.splitlines():
+        if not line.strip():
+            break  # the first processor's block is enough
+        name, _, value = line.partition(":")
+        fields[name.strip()] = value
     model = (fields.get("model name") or fields.get("CPU part") or platform.machine()).strip()
     flags = set((fields.get("flags") or fields.get("Features") or "").split())
     wanted = ["sse4_2", "avx", "avx2", "fma", "avx512f", "avx512bw", "avx512_bf16", "amx_tile", "asimd", "sve"]
