@@ -58,32 +58,13 @@ def _compile(function):
 _compiled_traces = 0
 
 
-def _count_trace(x):
-    global _compiled_traces
-    _compiled_traces += 1
-    return x
-
-
-_trace_probe = _compile(_count_trace)
-for _dtype in (mx.float32, mx.float16, mx.bfloat16):  # trace the probe once now, not on a user's first call
-    _trace_probe(mx.zeros((1,), _dtype))
-
-
-def _compiles_here(x: mx.array) -> bool:
-    """Whether a compiled function called with ``x`` runs compiled: it re-traces (runs its Python body)
-    on every call only while ``x`` is being traced by a transformation, or when compiling is off."""
-    before = _compiled_traces
-    _trace_probe(x.reshape(-1)[:1])  # a fixed shape: the probe itself is traced once per dtype
-    return _compiled_traces == before
-
-
 def _count_traces(*arrays):
     global _compiled_traces
     _compiled_traces += 1
     return arrays[0]
 
 
-_traces_probe = mx.compile(_count_traces, shapeless=True) if _compile(_count_trace) is not _count_trace else None
+_traces_probe = mx.compile(_count_traces, shapeless=True) if _compile(_count_traces) is not _count_traces else None
 
 
 def is_traced(*arrays: mx.array) -> bool:
@@ -159,7 +140,7 @@ def gate_path(x: mx.array, use_kernels: bool | None = None) -> str:
     ``mx.grad``/``mx.vjp``, or where ``mx.compile`` cannot run)."""
     if kernels.uses_kernels() if use_kernels is None else use_kernels:
         return "kernel"
-    return "compiled" if _compiles_here(x) else "eager"
+    return "eager" if is_traced(x) else "compiled"
 
 
 def _path(compiled: bool | None, x: mx.array) -> str:

@@ -31,9 +31,15 @@ def random(shape, seed, scale=0.5):
     return mx.array(np.random.default_rng(seed).standard_normal(shape).astype(np.float32) * scale)
 
 
+def packed_batch_sizes(lengths) -> tuple[int, ...]:
+    """Rows per step of a packed batch of sequences of these lengths."""
+    lengths = sorted(lengths, reverse=True)
+    return tuple(sum(length > t for length in lengths) for t in range(lengths[0]))
+
+
 def ops_path_with_gradients(batch_sizes, reverse, arguments, cotangents):
     """seqlib.scan's MLX-ops custom function: its outputs, and the vjp of the first three."""
-    function = scan._lstm_sequence_function(tuple(batch_sizes), reverse, False, False)
+    function = scan._lstm_sequence_function(batch_sizes, reverse, False, False)
     outputs = function(*arguments)
     _, grads = mx.vjp(lambda *a: function(*a)[:3], list(arguments), cotangents)
     return outputs, grads
@@ -54,8 +60,7 @@ def test_the_primitives_are_built_and_used_on_linux():
     seed=st.integers(0, 1000),
 )
 def test_forward_saved_arrays_and_backward_equal_the_ops_path(lengths, hidden_size, reverse, seed):
-    lengths = sorted(lengths, reverse=True)
-    batch_sizes = [sum(length > t for length in lengths) for t in range(lengths[0])]
+    batch_sizes = packed_batch_sizes(lengths)
     rows, batch = sum(batch_sizes), batch_sizes[0]
     arguments = [random((rows, 4 * hidden_size), seed, 1.0), random((4 * hidden_size, hidden_size), seed + 1),
                  random((batch, hidden_size), seed + 2), random((batch, hidden_size), seed + 3)]  # fmt: skip
@@ -69,7 +74,7 @@ def test_forward_saved_arrays_and_backward_equal_the_ops_path(lengths, hidden_si
     assert len(outputs) == 7 and len(inference) == 3
     for ours, theirs in zip([*outputs, *inference], [*want_outputs, *want_outputs[:3]], strict=True):
         np.testing.assert_allclose(np.array(ours), np.array(theirs), **TOLERANCE)
-    _, grads = mx.vjp(lambda *a: scan._native_lstm_function(tuple(batch_sizes), reverse)(*a)[:3], arguments,
+    _, grads = mx.vjp(lambda *a: scan._native_lstm_function(batch_sizes, reverse)(*a)[:3], arguments,
                       cotangents)  # fmt: skip
     for ours, theirs, name in zip(grads, want_grads, ["x_gates", "w_hh", "h0", "c0"], strict=True):
         np.testing.assert_allclose(np.array(ours), np.array(theirs), **GRADIENT_TOLERANCE, err_msg=name)
@@ -85,8 +90,7 @@ def test_forward_saved_arrays_and_backward_equal_the_ops_path(lengths, hidden_si
     seed=st.integers(0, 1000),
 )
 def test_gru_and_rnn_outputs_and_gradients_equal_the_ops_path(lengths, hidden_size, reverse, kind, seed):
-    lengths = sorted(lengths, reverse=True)
-    batch_sizes = tuple(sum(length > t for length in lengths) for t in range(lengths[0]))
+    batch_sizes = packed_batch_sizes(lengths)
     rows, batch = sum(batch_sizes), batch_sizes[0]
     blocks = 3 if kind == "GRU" else 1
     arguments = [random((rows, blocks * hidden_size), seed, 1.0), random((blocks * hidden_size, hidden_size), seed + 1)]
