@@ -3,19 +3,23 @@
 Like ``torch.nn.functional``, these take the weights as arguments and hold no
 state.  The modules in :mod:`seqlib.nn` call them.  Where the backend is
 "metal" or "emulate" (see :mod:`seqlib.kernels`) the lookups, bags and renormalisation run
-in seqlib's Metal kernels; elsewhere in the MLX ops below.
+in seqlib's Metal kernels; float32 bags elsewhere in seqlib's C++ CPU primitives
+(:mod:`seqlib.native`) where they are available; the rest in the MLX ops below.
 """
 
 from __future__ import annotations
 
+import functools
 import math
 
 import mlx.core as mx
 import numpy as np
 
+from seqlib import native
 from seqlib.kernels import bag_kernels, embedding_kernels
 from seqlib.kernels.runtime import KERNEL_DTYPES, uses_kernels
-from seqlib._bags import bag_bounds, bag_layout, check_bag_mode, flatten_bags
+from seqlib.pointwise import is_traced
+from seqlib._bags import BAG_MODES, bag_bounds, bag_layout, check_bag_mode, flatten_bags
 from seqlib._checks import (
     as_index_array,
     check_index_range,
@@ -31,6 +35,43 @@ def _kernels_serve(weight: mx.array) -> bool:
     """Whether ``weight`` goes through the Metal kernels: where the backend runs them, in a dtype they take
     (float64, which MLX keeps on the CPU, takes the ops path)."""
     return uses_kernels() and weight.dtype in KERNEL_DTYPES
+
+
+def _native_serves(weight: mx.array, indices: mx.array) -> bool:
+    """Whether a bag over ``weight`` pools in seqlib.native's C++ primitive (float32, int32-sized, built here)."""
+    return weight.dtype == mx.float32 and max(weight.shape[0], indices.size) < 2**31 and native.available()
+
+
+def _native_pool(weight, indices, bounds, mode, entry_weights, padding_idx) -> mx.array:
+    """:func:`seqlib.kernels.bag_kernels.pool_bags`'s contract on seqlib.native's CPU primitive.
+
+    weight (V, D) float32; indices (N,) int32 in [0, V); bounds (B + 1,) NumPy; entry_weights (N,) or None.
+    """
+    mode_id, padding = BAG_MODES.index(mode), -1 if padding_idx is None else padding_idx
+    bounds = mx.array(bounds.astype(np.int32))
+    weighted = () if entry_weights is None else (entry_weights,)
+    if not is_traced(weight, *weighted):  # inference: the forward alone
+        return native.extension().bag_pool(weight, indices, bounds, entry_weights, mode_id, padding)
+    return _native_pool_function(mode_id, padding, bool(weighted))(weight, indices, bounds, *weighted)
+
+
+@functools.lru_cache(maxsize=64)
+def _native_pool_function(mode_id: int, padding: int, weighted: bool):
+    """The pooling as a custom function: its backward is the C++ backward primitive."""
+    extension = native.extension()
+
+    @mx.custom_function
+    def pool(weight, indices, bounds, *entry_weights):
+        return extension.bag_pool(weight, indices, bounds, *(entry_weights or (None,)), mode_id, padding)
+
+    @pool.vjp
+    def pool_vjp(primals, cotangent, output):
+        weight, indices, bounds, *entry_weights = primals
+        grads = extension.bag_pool_backward(cotangent, weight, indices, bounds, *(entry_weights or (None,)),
+                                            mode_id, padding)  # fmt: skip
+        return (grads[0], mx.zeros_like(indices), mx.zeros_like(bounds), *grads[1:])
+
+    return pool
 
 
 def _row_norms(rows: mx.array, norm_type: float) -> mx.array:
@@ -284,12 +325,13 @@ def embedding_bag(
     check_max_norm(max_norm, norm_type)
     if weight.size == 0:  # V or D is 0: empty bags or no columns (and MLX cannot scatter a gradient into it)
         return mx.zeros((bag_bounds(offsets, indices.size, include_last_offset).size - 1, embedding_dim), weight.dtype)
-    if _kernels_serve(weight) and not scale_grad_by_freq:
+    kernels_serve = _kernels_serve(weight)
+    if (kernels_serve or _native_serves(weight, indices)) and not scale_grad_by_freq:
         bounds = bag_bounds(offsets, indices.size, include_last_offset)
         if max_norm is not None:
             weight = renorm_for_lookup(weight, indices, max_norm, norm_type)
-        flat = indices.astype(mx.int32)
-        return bag_kernels.pool_bags(weight, flat, bounds, mode, flat_weights, padding_idx)  # checked above
+        pool = bag_kernels.pool_bags if kernels_serve else _native_pool
+        return pool(weight, indices.astype(mx.int32), bounds, mode, flat_weights, padding_idx)  # checked above
     layout = bag_layout(indices, offsets, include_last_offset, padding_idx)
 
     if max_norm is not None:

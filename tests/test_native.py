@@ -158,3 +158,119 @@ def test_the_environment_variable_turns_the_primitives_off_silently():
     result = run_python(FALLBACK, SEQLIB_NATIVE="0")
     assert result.returncode == 0 and result.stderr == "", result.stderr
     assert "SEQLIB_NATIVE=0" in result.stdout
+
+
+# ----------------------------------------------------------------- embedding bags
+
+def ops_path_bag(*args, **kwargs):
+    """F.embedding_bag on the MLX-ops path (the native primitive switched off for this call)."""
+    from seqlib import functional
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(functional, "_native_serves", lambda weight, indices: False)
+        return functional.embedding_bag(*args, **kwargs)
+
+
+def bag_value_and_grads(bag_function, weight, indices, offsets, cotangent, per_sample_weights, **options):
+    """The pooled bags and the gradients of sum(pooled * cotangent) w.r.t. the weight (and the entry weights)."""
+    def loss(weight, *entry_weights):
+        pooled = bag_function(indices, weight, offsets, per_sample_weights=(entry_weights or (None,))[0], **options)
+        return (pooled * cotangent).sum(), pooled
+
+    arguments = [weight] if per_sample_weights is None else [weight, per_sample_weights]
+    (_, pooled), grads = mx.value_and_grad(loss, argnums=tuple(range(len(arguments))))(*arguments)
+    return [pooled, *grads]
+
+
+@linux_only
+@settings(max_examples=40, deadline=None)
+@given(
+    lengths=st.lists(st.integers(0, 6), min_size=1, max_size=6),
+    num_embeddings=st.integers(1, 12),
+    embedding_dim=st.integers(1, 40),
+    mode=st.sampled_from(["sum", "mean", "max"]),
+    weighted=st.booleans(),
+    padding=st.booleans(),
+    seed=st.integers(0, 1000),
+)
+def test_bag_pooling_and_its_gradients_equal_the_ops_path(
+    lengths, num_embeddings, embedding_dim, mode, weighted, padding, seed
+):
+    from seqlib import functional
+
+    rng = np.random.default_rng(seed)
+    indices = mx.array(rng.integers(0, num_embeddings, size=sum(lengths)).astype(np.int32))
+    offsets = mx.array(np.cumsum([0, *lengths[:-1]]).astype(np.int32))
+    weight = random((num_embeddings, embedding_dim), seed + 1, 1.0)
+    if mode == "max" and seed % 3 == 0:  # ties: the first entry must win, forward and backward
+        weight = mx.round(weight)
+    cotangent = random((len(lengths), embedding_dim), seed + 2, 1.0)
+    per_sample_weights = random((indices.size,), seed + 3, 1.0) if weighted and mode == "sum" else None
+    options = {"mode": mode, "padding_idx": int(rng.integers(0, num_embeddings)) if padding else None}
+    arguments = (weight, indices, offsets, cotangent, per_sample_weights)
+    ours = bag_value_and_grads(functional.embedding_bag, *arguments, **options)
+    theirs = bag_value_and_grads(ops_path_bag, *arguments, **options)
+    for position, (mine, want) in enumerate(zip(ours, theirs, strict=True)):
+        np.testing.assert_allclose(np.array(mine), np.array(want), rtol=1e-6, atol=1e-6, err_msg=f"result {position}")
+    inference = functional.embedding_bag(indices, weight, offsets, per_sample_weights=per_sample_weights, **options)
+    np.testing.assert_array_equal(np.array(inference), np.array(ours[0]))  # untraced: the same primitive
+
+
+BIG_BAGS = """
+    import mlx.core as mx, numpy as np, sys
+    from seqlib import functional
+    rng = np.random.default_rng(0)
+    lengths = rng.integers(0, 20, size=3000)
+    indices = mx.array(rng.integers(0, 5000, size=int(lengths.sum())).astype(np.int32))
+    offsets = mx.array(np.cumsum([0, *lengths[:-1]]).astype(np.int32))
+    weight = mx.array(rng.standard_normal((5000, 72)).astype(np.float32))
+    entry_weights = mx.array(rng.standard_normal(indices.size).astype(np.float32))
+    results = []
+    for mode, psw in (("mean", None), ("max", None), ("sum", entry_weights)):
+        loss = lambda w, p: (functional.embedding_bag(indices, w, offsets, mode=mode, per_sample_weights=p,
+                                                      padding_idx=7) ** 2).sum()
+        arguments = (weight, psw) if psw is not None else (weight,)
+        grads = mx.grad(lambda *a: loss(a[0], a[1] if len(a) > 1 else None), argnums=tuple(range(len(arguments))))(
+            *arguments)
+        results += [functional.embedding_bag(indices, weight, offsets, mode=mode, per_sample_weights=psw), *grads]
+    np.savez(sys.argv[1], *[np.array(r) for r in results])
+"""
+
+
+@linux_only
+def test_bags_split_over_threads_add_in_the_same_order_as_one_thread(tmp_path):
+    """Large enough for several threads: every thread count gives bit-identical pools and gradients."""
+    files = []
+    for threads in ("1", "2", "3"):
+        path = tmp_path / f"threads{threads}.npz"
+        result = subprocess.run([sys.executable, "-c", textwrap.dedent(BIG_BAGS), str(path)], capture_output=True,
+                                text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": threads})  # fmt: skip
+        assert result.returncode == 0, result.stderr
+        files.append(np.load(path))
+    for other in files[1:]:
+        for key in files[0].files:
+            np.testing.assert_array_equal(files[0][key], other[key], err_msg=key)
+
+
+@linux_only
+def test_the_bag_primitive_refuses_arrays_of_other_kinds():
+    extension = native.extension()
+    weight, bounds = mx.zeros((4, 3)), mx.array([0, 2])
+    with pytest.raises(ValueError, match="int32"):
+        extension.bag_pool(weight, mx.array([1, 2], mx.int64), bounds, None, 0, -1)
+    with pytest.raises(ValueError, match="float32"):
+        extension.bag_pool(weight.astype(mx.float16), mx.array([1, 2]), bounds, None, 0, -1)
+    with pytest.raises(ValueError, match="cotangent"):
+        extension.bag_pool_backward(mx.zeros((2, 3)), weight, mx.array([1, 2]), bounds, None, 0, -1)
+
+
+@linux_only
+def test_take_rows_copies_rows_bit_for_bit():
+    """seqlib.sparse gathers a batch's rows with it: NaN, infinities and -0.0 must come through unchanged."""
+    table = mx.array(np.array([[1.5, -0.0], [np.nan, np.inf], [-np.inf, 2.0]], np.float32))
+    rows = native.extension().take_rows(table, mx.array([2, 0, 2, 1]))
+    want = np.array(table)[[2, 0, 2, 1]]
+    assert np.array(rows).tobytes() == want.tobytes()
+    large = random((3000, 70), 5)
+    picks = mx.array(np.random.default_rng(1).integers(0, 3000, 20000).astype(np.int32))  # several threads
+    assert np.array_equal(np.array(native.extension().take_rows(large, picks)), np.array(large)[np.array(picks)])

@@ -96,11 +96,15 @@ def test_wheel_installs_and_finds_its_kernel_sources(tmp_path):
         "print(seqlib.__file__); print(seqlib.kernels.kernel_dir()); "
         "print(len(seqlib.kernels.kernel_source('embedding_gather'))); "
         "print(','.join(seqlib.kernels.kernel_names())); print(len(seqlib.kernels.kernel_header())); "
-        "import pkgutil; print(','.join(sorted(m.name for m in pkgutil.walk_packages(seqlib.__path__, 'seqlib.'))))"
+        "import pkgutil; print(','.join(sorted(m.name for m in pkgutil.walk_packages(seqlib.__path__, 'seqlib.')))); "
+        "import seqlib.native as n; print(all(p.is_file() for p in (*n.SOURCES, n.HEADER)))"
     )
     result = subprocess.run([python, "-c", code], capture_output=True, text=True, cwd=tmp_path)
     assert result.returncode == 0, result.stderr
-    module_file, kernel_dir, length, installed_kernels, header_length, installed_modules = result.stdout.split()
+    module_file, kernel_dir, length, installed_kernels, header_length, installed_modules, native_sources = (
+        result.stdout.split()
+    )
+    assert native_sources == "True"  # seqlib.native's C++ sources and header, for the build on first use
     assert module_file.startswith(str(env_dir))
     source_modules = sorted(m.name for m in pkgutil.walk_packages(seqlib.__path__, "seqlib."))
     assert installed_modules.split(",") == source_modules  # every subpackage made it into the wheel

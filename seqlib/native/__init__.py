@@ -5,11 +5,12 @@ on x86 those kernels are scalar code.  ``recurrent_cpu.cpp`` adds MLX primitives
 (``mlx::core::Primitive`` subclasses with ``eval_cpu``, MLX's documented way to add an
 operation) that run a whole LSTM, GRU or Elman RNN layer-direction in one operation: per
 time step one OpenBLAS call and one loop of gate math vectorised for the host's CPU.
-:mod:`seqlib.scan` uses them where :func:`available` says so, forward and backward; the
-MLX-ops path gives the same numbers within float32 rounding and stays in place
-everywhere else (other dtypes, a projected LSTM, the Metal kernels, macOS).  A call
-that no transformation traces runs the forward alone; under ``mx.grad`` the forward also
-saves what the backward primitive needs.
+``bags_cpu.cpp`` pools embedding bags straight from the table, in one pass, forward and
+backward.  :mod:`seqlib.scan` and :func:`seqlib.functional.embedding_bag` use them where
+:func:`available` says so; the MLX-ops path gives the same numbers within float32
+rounding and stays in place everywhere else (other dtypes, a projected LSTM, the Metal
+kernels, macOS).  A call that no transformation traces runs the forward alone; under
+``mx.grad`` the forward also saves what the backward primitive needs.
 
 The extension is compiled once per (source, MLX version, nanobind version, Python,
 CPU) with ``g++ -O3 -march=native`` and cached like the BLAS shim (``SEQLIB_CACHE_DIR``,
@@ -38,8 +39,10 @@ __all__ = ["ENV_VAR", "NativeWarning", "available", "extension", "reason"]
 
 #: The environment variable that turns the primitives off (SEQLIB_NATIVE=0).
 ENV_VAR = "SEQLIB_NATIVE"
-SOURCE = Path(__file__).with_name("recurrent_cpu.cpp")
-_MODULE = "_recurrent_cpu"
+#: The C++ sources, compiled into one module (module.cpp binds the others' operations).
+SOURCES = tuple(Path(__file__).with_name(name) for name in ("module.cpp", "recurrent_cpu.cpp", "bags_cpu.cpp"))
+HEADER = Path(__file__).with_name("cpu_loop.h")
+_MODULE = "_seqlib_cpu"
 
 
 class NativeWarning(RuntimeWarning):
@@ -66,8 +69,8 @@ def _build(target_dir: Path) -> Path:
 
     mlx_dir = Path(mx.__file__).parent
     suffix = importlib.machinery.EXTENSION_SUFFIXES[0]
-    key_text = "|".join([SOURCE.read_text(), mx.__version__, nanobind.__version__, sys.version, _cpu_key(),
-                         str(mlx_dir)])  # fmt: skip
+    sources = [path.read_text() for path in (*SOURCES, HEADER)]
+    key_text = "|".join([*sources, mx.__version__, nanobind.__version__, sys.version, _cpu_key(), str(mlx_dir)])
     key = hashlib.sha256(key_text.encode()).hexdigest()[:16]
     target = target_dir / f"native-{key}" / f"{_MODULE}{suffix}"
     if target.exists():
@@ -83,7 +86,7 @@ def _build(target_dir: Path) -> Path:
         "-fvisibility=hidden", "-DNB_DOMAIN=mlx", "-DNDEBUG",
         f"-I{nanobind.include_dir()}", f"-I{nanobind_dir / 'ext' / 'robin_map' / 'include'}",
         f"-I{sysconfig.get_paths()['include']}", f"-I{mlx_dir / 'include'}",
-        str(Path(nanobind.source_dir()) / "nb_combined.cpp"), str(SOURCE), "-o", str(partial),
+        str(Path(nanobind.source_dir()) / "nb_combined.cpp"), *map(str, SOURCES), "-o", str(partial),
         f"-L{mlx_dir / 'lib'}", "-lmlx", f"-Wl,-rpath,{mlx_dir / 'lib'}",
     ]  # fmt: skip  (cblas_sgemm comes from seqlib's BLAS shim, loaded globally, else from MLX's own BLAS)
     subprocess.run(command, check=True, capture_output=True)
@@ -127,6 +130,12 @@ def _self_check(module) -> None:
     error = float(mx.abs(d_x_gates[5:] - want).max())
     if not error < 1e-5:
         raise ValueError(f"the backward differs from the MLX-ops path by {error:.1e}")
+    table = mx.random.normal((5, 3), key=keys[0])  # bags [4, 0, 4], [], [2], averaged
+    pooled = module.bag_pool(table, mx.array([4, 0, 4, 2]), mx.array([0, 3, 3, 4]), None, 1, -1)
+    want = mx.stack([table[mx.array([4, 0, 4])].sum(axis=0) / 3, mx.zeros(3), table[2]])
+    error = float(mx.abs(pooled - want).max())
+    if not error < 1e-5:
+        raise ValueError(f"the bag pooling differs from the MLX-ops path by {error:.1e}")
 
 
 def extension():

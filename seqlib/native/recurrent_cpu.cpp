@@ -6,7 +6,7 @@
 // on x86; here the whole time loop runs inside one primitive: per step one BLAS call
 // (OpenBLAS through seqlib's BLAS shim, the recurrent matmul) and one loop of gate math that the compiler vectorises
 // for the host's vector units (-march=native).  seqlib.native builds this file against the
-// installed MLX on first use; seqlib.scan calls it, and wires the backward into autodiff.
+// installed MLX on first use (module.cpp binds it); seqlib.scan calls it, and wires the backward into autodiff.
 //
 //   LSTMSequence, GRUSequence, RNNSequence   forward: output, final state(s), and (save) what
 //                                            the backward needs
@@ -14,7 +14,7 @@
 //                                            of x_gates, of the initial state(s), and for the GRU
 //                                            of its hidden side (for dW_hh and db_hh)
 //
-// All are one primitive class, Sequence, that runs one of the loops below.
+// All are cpu_loop.h's one primitive class, CpuLoop, running one of the loops below.
 //
 // Shapes (float32, row-major): N packed rows, B sequences, H units; x_gates (N, 4H) is
 // x W_ih^T + b_ih + b_hh in gate order i, f, g, o; w_hh (4H, H); h0, c0 (B, H).  At step t
@@ -34,13 +34,12 @@
 #include <nanobind/nanobind.h>
 #include <nanobind/stl/vector.h>
 
-#include "mlx/backend/cpu/encoder.h"
-#include "mlx/mlx.h"
-#include "mlx/primitives.h"
+#include "cpu_loop.h"
 
 namespace nb = nanobind;
 namespace mx = mlx::core;
 using namespace nb::literals;
+using seqlib_cpu::row_of;
 
 // By its plain CBLAS name: seqlib's BLAS shim (seqlib/_blas_shim.c, loaded globally before this
 // library) serves it with OpenBLAS, single-threaded for the small products of a step.
@@ -70,6 +69,7 @@ inline float fast_sigmoid(float x) { return 0.5f * fast_tanh(0.5f * x) + 0.5f; }
 struct Step {
   int first;  // first packed row of the step
   int rows;   // sequences still running at the step
+  bool operator==(const Step&) const = default;
 };
 
 // The steps in the order they are computed (reversed for the reverse direction).
@@ -84,65 +84,14 @@ std::vector<Step> steps_of(const std::vector<int>& batch_sizes, bool reverse) {
   return steps;
 }
 
-void allocate(std::vector<mx::array>& outputs) {
-  for (auto& out : outputs) out.set_data(mx::allocator::malloc(out.nbytes()));
-}
+constexpr int kSave = 1, kRelu = 2;  // bits of a loop's option
 
-constexpr int kSave = 1, kRelu = 2;  // bits of a primitive's option
-
-// What a primitive computes: its inputs and outputs, the steps in computing order, its option bits.
-using Runner = void (*)(std::vector<mx::array>& ins, std::vector<mx::array>& outs, const std::vector<Step>& steps,
-                        int option);
-
-// Every primitive here is one time loop; they differ only in the loop they run.
-class Sequence : public mx::Primitive {
- public:
-  Sequence(mx::Stream stream, const char* name, Runner runner, std::vector<int> batch_sizes, bool reverse,
-           int option)
-      : mx::Primitive(stream), name_(name), runner_(runner), batch_sizes_(std::move(batch_sizes)),
-        reverse_(reverse), option_(option) {}
-
-  void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override {
-    allocate(outputs);
-    auto& encoder = mx::cpu::get_command_encoder(stream());
-    std::vector<mx::array> ins, outs;
-    for (auto& in : inputs) {
-      encoder.set_input_array(in);
-      ins.push_back(mx::array::unsafe_weak_copy(in));
-    }
-    for (auto& out : outputs) {
-      encoder.set_output_array(out);
-      outs.push_back(mx::array::unsafe_weak_copy(out));
-    }
-    encoder.dispatch([ins, outs, runner = runner_, steps = steps_of(batch_sizes_, reverse_), option = option_]()
-                         mutable { runner(ins, outs, steps, option); });
-  }
-
-  void eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) override {
-    throw std::runtime_error(std::string(name_) + " runs on the CPU only");
-  }
-
-  const char* name() const override { return name_; }
-
-  bool is_equivalent(const mx::Primitive& other) const override {
-    auto& o = static_cast<const Sequence&>(other);
-    return runner_ == o.runner_ && batch_sizes_ == o.batch_sizes_ && reverse_ == o.reverse_ && option_ == o.option_;
-  }
-
- private:
-  const char* name_;
-  Runner runner_;
-  std::vector<int> batch_sizes_;
-  bool reverse_;
-  int option_;
+// What a primitive's loop needs besides its arrays: the steps in computing order, its option bits.
+struct Loop {
+  std::vector<Step> steps;
+  int option;
+  bool operator==(const Loop&) const = default;
 };
-
-inline float* row_of(mx::array& array, int row) {
-  return array.data<float>() + static_cast<size_t>(row) * array.shape(1);
-}
-inline const float* row_of(const mx::array& array, int row) {
-  return array.data<float>() + static_cast<size_t>(row) * array.shape(1);
-}
 
 // rows x width floats from src to dst
 inline void copy_rows(float* dst, const float* src, int rows, int width) {
@@ -153,8 +102,9 @@ inline void copy_rows(float* dst, const float* src, int rows, int width) {
 
 // ins: x_gates (N, 4H), w_hh (4H, H), h0, c0 (B, H)
 // outs: output (N, H), h_n, c_n (B, H) [, activations (N, 4H), tanh_c, c_prev, h_prev (N, H)]
-void lstm_forward(std::vector<mx::array>& ins, std::vector<mx::array>& outs, const std::vector<Step>& steps,
-                  int option) {
+void lstm_forward(std::vector<mx::array>& ins, std::vector<mx::array>& outs, const Loop& loop) {
+  const auto& steps = loop.steps;
+  const int option = loop.option;
   const bool save = option & kSave;
   const int batch = ins[2].shape(0), hidden = ins[2].shape(1), gates = 4 * hidden;
   float* h = outs[1].data<float>();  // the state advances in place in h_n and c_n
@@ -194,7 +144,8 @@ void lstm_forward(std::vector<mx::array>& ins, std::vector<mx::array>& outs, con
 
 // ins: w_hh (4H, H), activations (N, 4H), tanh_c, c_prev, d_output (N, H), d_h_n, d_c_n (B, H)
 // outs: d_x_gates (N, 4H), d_h0, d_c0 (B, H)
-void lstm_backward(std::vector<mx::array>& ins, std::vector<mx::array>& outs, const std::vector<Step>& steps, int) {
+void lstm_backward(std::vector<mx::array>& ins, std::vector<mx::array>& outs, const Loop& loop) {
+  const auto& steps = loop.steps;
   const int batch = ins[5].shape(0), hidden = ins[5].shape(1), gates = 4 * hidden;
   float* d_h = outs[1].data<float>();  // the gradients flow back in place in d_h0 and d_c0
   float* d_c = outs[2].data<float>();
@@ -230,8 +181,9 @@ void lstm_backward(std::vector<mx::array>& ins, std::vector<mx::array>& outs, co
 
 // ins: x_gates (N, 3H) = x W_ih^T + b_ih, w_hh (3H, H), b_hh (3H,), h0 (B, H)
 // outs: output (N, H), h_n (B, H) [, activations r, z, n (N, 3H), hidden_side (N, 3H), h_prev (N, H)]
-void gru_forward(std::vector<mx::array>& ins, std::vector<mx::array>& outs, const std::vector<Step>& steps,
-                 int option) {
+void gru_forward(std::vector<mx::array>& ins, std::vector<mx::array>& outs, const Loop& loop) {
+  const auto& steps = loop.steps;
+  const int option = loop.option;
   const bool save = option & kSave;
   const int batch = ins[3].shape(0), hidden = ins[3].shape(1), gates = 3 * hidden;
   const float* b_hh = ins[2].data<float>();
@@ -264,7 +216,8 @@ void gru_forward(std::vector<mx::array>& ins, std::vector<mx::array>& outs, cons
 
 // ins: w_hh (3H, H), activations (N, 3H), hidden_side (N, 3H), h_prev (N, H), d_output (N, H), d_h_n (B, H)
 // outs: d_input_side (N, 3H) (= d_x_gates), d_hidden_side (N, 3H), d_h0 (B, H)
-void gru_backward(std::vector<mx::array>& ins, std::vector<mx::array>& outs, const std::vector<Step>& steps, int) {
+void gru_backward(std::vector<mx::array>& ins, std::vector<mx::array>& outs, const Loop& loop) {
+  const auto& steps = loop.steps;
   const int batch = ins[5].shape(0), hidden = ins[5].shape(1), gates = 3 * hidden;
   float* d_h = outs[2].data<float>();
   copy_rows(d_h, ins[5].data<float>(), batch, hidden);
@@ -299,8 +252,9 @@ void gru_backward(std::vector<mx::array>& ins, std::vector<mx::array>& outs, con
 
 // ins: x_gates (N, H) = x W_ih^T + b_ih + b_hh, w_hh (H, H), h0 (B, H)
 // outs: output (N, H), h_n (B, H) [, h_prev (N, H)]
-void rnn_forward(std::vector<mx::array>& ins, std::vector<mx::array>& outs, const std::vector<Step>& steps,
-                 int option) {
+void rnn_forward(std::vector<mx::array>& ins, std::vector<mx::array>& outs, const Loop& loop) {
+  const auto& steps = loop.steps;
+  const int option = loop.option;
   const bool save = option & kSave, relu = option & kRelu;
   const int batch = ins[2].shape(0), hidden = ins[2].shape(1);
   float* h = outs[1].data<float>();
@@ -321,8 +275,9 @@ void rnn_forward(std::vector<mx::array>& ins, std::vector<mx::array>& outs, cons
 }
 
 // ins: w_hh (H, H), output (N, H), d_output (N, H), d_h_n (B, H); outs: d_pre (N, H) (= d_x_gates), d_h0 (B, H)
-void rnn_backward(std::vector<mx::array>& ins, std::vector<mx::array>& outs, const std::vector<Step>& steps,
-                  int option) {
+void rnn_backward(std::vector<mx::array>& ins, std::vector<mx::array>& outs, const Loop& loop) {
+  const auto& steps = loop.steps;
+  const int option = loop.option;
   const bool relu = option & kRelu;
   const int batch = ins[3].shape(0), hidden = ins[3].shape(1);
   float* d_h = outs[1].data<float>();
@@ -343,21 +298,13 @@ void rnn_backward(std::vector<mx::array>& ins, std::vector<mx::array>& outs, con
 
 // ----------------------------------------------------------------- the operations Python calls
 
-mx::Stream cpu_stream() { return mx::default_stream(mx::Device(mx::Device::cpu)); }
-
-// The arrays of a Sequence primitive: float32 outputs of the given shapes, from row-contiguous inputs.
-std::vector<mx::array> sequence(const char* name, Runner runner, std::vector<mx::Shape> shapes,
-                                std::initializer_list<const mx::array*> inputs, std::vector<int> batch_sizes,
-                                bool reverse, int option) {
-  auto s = cpu_stream();
-  std::vector<mx::array> contiguous;
-  for (auto* array : inputs) {  // an evaluated row-contiguous array (a weight, a state) is used as it is
-    const bool ready = array->is_available() && array->flags().row_contiguous;
-    contiguous.push_back(ready ? *array : mx::contiguous(*array, false, s));
-  }
+// The outputs of a recurrent loop: float32 arrays of the given shapes.
+std::vector<mx::array> sequence(const char* name, seqlib_cpu::CpuLoop<Loop>::Runner runner,
+                                std::vector<mx::Shape> shapes, std::vector<const mx::array*> inputs,
+                                const std::vector<int>& batch_sizes, bool reverse, int option) {
   std::vector<mx::Dtype> dtypes(shapes.size(), mx::float32);
-  auto primitive = std::make_shared<Sequence>(s, name, runner, std::move(batch_sizes), reverse, option);
-  return mx::array::make_arrays(std::move(shapes), dtypes, primitive, contiguous);
+  return seqlib_cpu::make_loop(name, runner, std::move(shapes), std::move(dtypes), inputs,
+                               Loop{steps_of(batch_sizes, reverse), option});
 }
 
 std::vector<mx::array> lstm_sequence(const mx::array& x_gates, const mx::array& w_hh, const mx::array& h0,
@@ -365,7 +312,7 @@ std::vector<mx::array> lstm_sequence(const mx::array& x_gates, const mx::array& 
   const int n = x_gates.shape(0), b = h0.shape(0), h = h0.shape(1);
   std::vector<mx::Shape> shapes = {{n, h}, {b, h}, {b, h}};
   if (save) shapes.insert(shapes.end(), {{n, 4 * h}, {n, h}, {n, h}, {n, h}});
-  return sequence("LSTMSequence", lstm_forward, shapes, {&x_gates, &w_hh, &h0, &c0}, std::move(batch_sizes), reverse,
+  return sequence("LSTMSequence", lstm_forward, shapes, {&x_gates, &w_hh, &h0, &c0}, batch_sizes, reverse,
                   save ? kSave : 0);
 }
 
@@ -375,7 +322,7 @@ std::vector<mx::array> lstm_sequence_backward(const mx::array& w_hh, const mx::a
                                               const mx::array& d_c_n, std::vector<int> batch_sizes, bool reverse) {
   const int n = activations.shape(0), b = d_h_n.shape(0), h = d_h_n.shape(1);
   return sequence("LSTMSequenceBackward", lstm_backward, {{n, 4 * h}, {b, h}, {b, h}},
-                  {&w_hh, &activations, &tanh_c, &c_prev, &d_output, &d_h_n, &d_c_n}, std::move(batch_sizes),
+                  {&w_hh, &activations, &tanh_c, &c_prev, &d_output, &d_h_n, &d_c_n}, batch_sizes,
                   reverse, 0);
 }
 
@@ -384,7 +331,7 @@ std::vector<mx::array> gru_sequence(const mx::array& x_gates, const mx::array& w
   const int n = x_gates.shape(0), b = h0.shape(0), h = h0.shape(1);
   std::vector<mx::Shape> shapes = {{n, h}, {b, h}};
   if (save) shapes.insert(shapes.end(), {{n, 3 * h}, {n, 3 * h}, {n, h}});
-  return sequence("GRUSequence", gru_forward, shapes, {&x_gates, &w_hh, &b_hh, &h0}, std::move(batch_sizes), reverse,
+  return sequence("GRUSequence", gru_forward, shapes, {&x_gates, &w_hh, &b_hh, &h0}, batch_sizes, reverse,
                   save ? kSave : 0);
 }
 
@@ -394,7 +341,7 @@ std::vector<mx::array> gru_sequence_backward(const mx::array& w_hh, const mx::ar
                                              std::vector<int> batch_sizes, bool reverse) {
   const int n = activations.shape(0), b = d_h_n.shape(0), h = d_h_n.shape(1);
   return sequence("GRUSequenceBackward", gru_backward, {{n, 3 * h}, {n, 3 * h}, {b, h}},
-                  {&w_hh, &activations, &hidden_side, &h_prev, &d_output, &d_h_n}, std::move(batch_sizes), reverse, 0);
+                  {&w_hh, &activations, &hidden_side, &h_prev, &d_output, &d_h_n}, batch_sizes, reverse, 0);
 }
 
 std::vector<mx::array> rnn_sequence(const mx::array& x_gates, const mx::array& w_hh, const mx::array& h0,
@@ -402,7 +349,7 @@ std::vector<mx::array> rnn_sequence(const mx::array& x_gates, const mx::array& w
   const int n = x_gates.shape(0), b = h0.shape(0), h = h0.shape(1);
   std::vector<mx::Shape> shapes = {{n, h}, {b, h}};
   if (save) shapes.push_back({n, h});
-  return sequence("RNNSequence", rnn_forward, shapes, {&x_gates, &w_hh, &h0}, std::move(batch_sizes), reverse,
+  return sequence("RNNSequence", rnn_forward, shapes, {&x_gates, &w_hh, &h0}, batch_sizes, reverse,
                   (save ? kSave : 0) | (relu ? kRelu : 0));
 }
 
@@ -411,13 +358,12 @@ std::vector<mx::array> rnn_sequence_backward(const mx::array& w_hh, const mx::ar
                                              bool relu) {
   const int n = output.shape(0), b = d_h_n.shape(0), h = d_h_n.shape(1);
   return sequence("RNNSequenceBackward", rnn_backward, {{n, h}, {b, h}}, {&w_hh, &output, &d_output, &d_h_n},
-                  std::move(batch_sizes), reverse, relu ? kRelu : 0);
+                  batch_sizes, reverse, relu ? kRelu : 0);
 }
 
 }  // namespace
 
-NB_MODULE(_recurrent_cpu, m) {
-  m.doc() = "seqlib's CPU primitives for recurrent layers (built by seqlib.native)";
+void seqlib_cpu::register_recurrent(nb::module_& m) {
   m.def("lstm_sequence", &lstm_sequence, "x_gates"_a, "w_hh"_a, "h0"_a, "c0"_a, "batch_sizes"_a, "reverse"_a,
         "save"_a);
   m.def("lstm_sequence_backward", &lstm_sequence_backward, "w_hh"_a, "activations"_a, "tanh_c"_a, "c_prev"_a,

@@ -1,0 +1,326 @@
+// bags_cpu.cpp: EmbeddingBag's pooling as MLX primitives on the CPU, the table read in one pass.
+//
+// The CPU counterpart of metal_kernels/embedding_bag.metal.  MLX's own ops pool bags as a gather
+// of every entry's row (an (N, D) array written and read back) and one reduction per bucket of
+// equally long bags; here each bag's rows are read straight from the table and summed in
+// place, with the next rows prefetched, since the reads are random and the cost is memory
+// latency.  seqlib.functional.embedding_bag calls these where seqlib.native is available.
+//
+//   EmbeddingBagPool          forward: out[b] = sum / mean / max of weight[indices[i]]
+//                             (times entry_weights[i]) over the entries i of bag b
+//   TakeRows                  rows[i] = weight[indices[i]]: the rows that
+//                             seqlib.sparse.value_and_grad differentiates
+//   EmbeddingBagPoolBackward  the gradient of the table (a dense (V, D) array: under
+//                             seqlib.sparse.value_and_grad the "table" is the looked-up rows only),
+//                             and of the entry weights
+//
+// Shapes: weight (V, D) float32; indices (N,) int32, already checked to lie in [0, V);
+// bounds (B + 1,) int32, bag b holds entries bounds[b] to bounds[b + 1]; entry_weights (N,)
+// float32 or none.  Entries equal to padding_idx (-1: none) are skipped and not counted by
+// mean; an empty bag gives zeros.  Max follows torch's CPU rule: a column starts at the bag's
+// first entry and moves only to a strictly greater value (so NaN wins only as the first entry).
+// The arithmetic is the MLX-ops path's: products, then a sum in entry order, then a division
+// by the count; built without FMA contraction.
+//
+// Work is split over the CPU's threads (the process's affinity, at most OMP_NUM_THREADS): the
+// forward by bags, the backward by column blocks, each computed whole by one thread, so the
+// result does not depend on the thread count or on which thread took what.
+//
+// Napkin math: the forward reads N D 4 bytes of rows at random and writes B D 4; the backward
+// zeroes V D 4 bytes, then reads B D 4 and adds N D 4 at random.
+
+#include <sched.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cstdint>
+#include <cstdlib>
+#include <cstring>
+#include <optional>
+#include <stdexcept>
+#include <thread>
+#include <vector>
+
+#include <nanobind/nanobind.h>
+#include <nanobind/stl/optional.h>
+#include <nanobind/stl/vector.h>
+
+#include "cpu_loop.h"
+
+namespace nb = nanobind;
+namespace mx = mlx::core;
+using namespace nb::literals;
+
+namespace {
+
+enum Mode { kSum = 0, kMean = 1, kMax = 2 };  // seqlib._bags.BAG_MODES, in this order
+
+struct Bag {
+  int mode;
+  int padding_idx;  // -1: none
+  bool weighted;    // entry_weights given
+  bool operator==(const Bag&) const = default;
+};
+
+// Threads to use: the CPUs this process may run on, at most OMP_NUM_THREADS where that is set.
+int thread_budget() {
+  static const int budget = [] {
+    cpu_set_t set;
+    int cpus = sched_getaffinity(0, sizeof(set), &set) == 0 ? CPU_COUNT(&set) : 1;
+    if (const char* limit = std::getenv("OMP_NUM_THREADS")) {
+      const int wanted = std::atoi(limit);
+      if (wanted > 0) cpus = std::min(cpus, wanted);
+    }
+    return std::max(cpus, 1);
+  }();
+  return budget;
+}
+
+// Run body(begin, end) over [0, count) in chunks that threads take in turn from a shared
+// counter, so a thread slowed by another process (a busy core) takes fewer of them; `work`
+// (about the floats touched) decides whether more threads than one are worth starting.  Each
+// index is handled by one body call, whichever thread makes it.
+template <class Body>
+void parallel_for(int64_t count, int64_t work, Body body) {
+  constexpr int64_t kWorkPerThread = 1 << 16;
+  const int64_t threads = std::min<int64_t>({thread_budget(), count, std::max<int64_t>(work / kWorkPerThread, 1)});
+  if (threads <= 1) {
+    body(int64_t{0}, count);
+    return;
+  }
+  const int64_t chunk = std::max<int64_t>(count / (threads * 8), 1);
+  std::atomic<int64_t> next{0};
+  auto take_chunks = [&] {
+    for (int64_t begin = next.fetch_add(chunk); begin < count; begin = next.fetch_add(chunk)) {
+      body(begin, std::min(begin + chunk, count));
+    }
+  };
+  std::vector<std::thread> pool;
+  for (int64_t t = 1; t < threads; ++t) pool.emplace_back(take_chunks);
+  take_chunks();
+  for (auto& thread : pool) thread.join();
+}
+
+constexpr int kAhead = 16;  // entries whose rows are prefetched ahead of the one being added
+
+// Every cache line of a row: MLX's CPU buffers need not start on a line, so a 512-byte row can
+// span nine lines, and the one left out would be a full memory miss per row.
+inline void prefetch(const float* row, int64_t width) {
+  const char* first = reinterpret_cast<const char*>(row);
+  const char* last = reinterpret_cast<const char*>(row + width) - 1;
+  for (const char* line = first; line < last; line += 64) __builtin_prefetch(line);
+  __builtin_prefetch(last);
+}
+
+// Bags [first_bag, end_bag) of one mode, as a tight loop over plain pointers (the mode a template
+// argument, so the inner loop has no branch and vectorises).
+template <int kMode>
+void pool_bag_range(const float* __restrict table, int64_t dim, const int32_t* __restrict indices,
+                    const int32_t* __restrict bounds, const float* __restrict entry_weights, int32_t padding_idx,
+                    float* __restrict pooled, int64_t first_bag, int64_t end_bag) {
+  const int64_t end_entry = bounds[end_bag];
+  for (int64_t b = first_bag; b < end_bag; ++b) {
+    float* __restrict out = pooled + b * dim;
+    std::fill(out, out + dim, 0.0f);
+    int64_t count = 0;
+    for (int64_t i = bounds[b]; i < bounds[b + 1]; ++i) {
+      if (i + kAhead < end_entry) prefetch(table + indices[i + kAhead] * dim, dim);
+      if (indices[i] == padding_idx) continue;
+      const float* __restrict row = table + indices[i] * dim;
+      if (kMode == kMax) {
+        for (int64_t d = 0; d < dim; ++d) out[d] = (count == 0 || row[d] > out[d]) ? row[d] : out[d];
+      } else if (entry_weights != nullptr) {
+        const float scale = entry_weights[i];
+        for (int64_t d = 0; d < dim; ++d) out[d] += scale * row[d];
+      } else {
+        for (int64_t d = 0; d < dim; ++d) out[d] += row[d];
+      }
+      ++count;
+    }
+    if (kMode == kMean && count > 0) {
+      const float size = static_cast<float>(count);
+      for (int64_t d = 0; d < dim; ++d) out[d] /= size;
+    }
+  }
+}
+
+// ins: weight (V, D), indices (N,), bounds (B + 1,) [, entry_weights (N,)]; outs: pooled (B, D)
+void pool_forward(std::vector<mx::array>& ins, std::vector<mx::array>& outs, const Bag& bag) {
+  const float* table = ins[0].data<float>();
+  const int32_t* indices = ins[1].data<int32_t>();
+  const int32_t* bounds = ins[2].data<int32_t>();
+  const float* entry_weights = bag.weighted ? ins[3].data<float>() : nullptr;
+  float* pooled = outs[0].data<float>();
+  const int64_t dim = ins[0].shape(1), bags = outs[0].shape(0);
+  auto range = bag.mode == kMax ? pool_bag_range<kMax> : (bag.mode == kMean ? pool_bag_range<kMean>
+                                                                            : pool_bag_range<kSum>);
+  parallel_for(bags, bounds[bags] * dim, [&](int64_t first_bag, int64_t end_bag) {
+    range(table, dim, indices, bounds, entry_weights, bag.padding_idx, pooled, first_bag, end_bag);
+  });
+}
+
+// ins: table (V, D), indices (N,); outs: rows (N, D), rows[i] = table[indices[i]] bit for bit
+void gather(std::vector<mx::array>& ins, std::vector<mx::array>& outs, const Bag&) {
+  const float* table = ins[0].data<float>();
+  const int32_t* indices = ins[1].data<int32_t>();
+  float* rows = outs[0].data<float>();
+  const int64_t dim = ins[0].shape(1), count = ins[1].size();
+  parallel_for(count, count * dim, [&](int64_t first, int64_t end) {
+    for (int64_t i = first; i < end; ++i) {
+      if (i + kAhead < end) prefetch(table + indices[i + kAhead] * dim, dim);
+      std::memcpy(rows + i * dim, table + indices[i] * dim, sizeof(float) * dim);
+    }
+  });
+}
+
+// The gradient of table rows [first_row, end_row) (the other rows belong to other threads): every
+// counted entry that reads one of them adds its bag's cotangent, times its weight (sum) or
+// divided by the bag's count (mean); in max mode each column's cotangent goes to the entry that
+// won it in the forward, found again here by the same rule.
+template <int kMode>
+void scatter_row_range(const float* __restrict table, int64_t dim, const int32_t* __restrict indices,
+                       const int32_t* __restrict bounds, int64_t bags, const float* __restrict entry_weights,
+                       int32_t padding_idx, const float* __restrict cotangent, float* __restrict d_table,
+                       int64_t first_row, int64_t end_row) {
+  std::vector<float> best(kMode == kMax ? dim : 0);
+  std::vector<int32_t> winner(kMode == kMax ? dim : 0);
+  const auto mine = [&](int32_t index) { return index >= first_row && index < end_row; };
+  for (int64_t b = 0; b < bags; ++b) {
+    const float* __restrict grad = cotangent + b * dim;
+    if (kMode == kMax) {
+      int64_t count = 0;
+      for (int64_t i = bounds[b]; i < bounds[b + 1]; ++i) {
+        if (indices[i] == padding_idx) continue;
+        const float* __restrict row = table + indices[i] * dim;
+        for (int64_t d = 0; d < dim; ++d) {
+          const bool wins = count == 0 || row[d] > best[d];
+          best[d] = wins ? row[d] : best[d];
+          winner[d] = wins ? indices[i] : winner[d];
+        }
+        ++count;
+      }
+      for (int64_t d = 0; d < dim && count > 0; ++d) {
+        if (mine(winner[d])) d_table[winner[d] * dim + d] += grad[d];
+      }
+      continue;
+    }
+    float size = 0.0f;  // mean: the bag's counted entries
+    if (kMode == kMean) {
+      for (int64_t i = bounds[b]; i < bounds[b + 1]; ++i) size += indices[i] == padding_idx ? 0.0f : 1.0f;
+    }
+    for (int64_t i = bounds[b]; i < bounds[b + 1]; ++i) {
+      if (indices[i] == padding_idx || !mine(indices[i])) continue;
+      float* __restrict out = d_table + indices[i] * dim;
+      if (kMode == kMean) {
+        for (int64_t d = 0; d < dim; ++d) out[d] += grad[d] / size;
+      } else if (entry_weights != nullptr) {
+        const float scale = entry_weights[i];
+        for (int64_t d = 0; d < dim; ++d) out[d] += grad[d] * scale;
+      } else {
+        for (int64_t d = 0; d < dim; ++d) out[d] += grad[d];
+      }
+    }
+  }
+}
+
+// ins: cotangent (B, D), weight (V, D), indices (N,), bounds (B + 1,) [, entry_weights (N,)]
+// outs: d_weight (V, D) [, d_entry_weights (N,)]
+void pool_backward(std::vector<mx::array>& ins, std::vector<mx::array>& outs, const Bag& bag) {
+  const float* cotangent = ins[0].data<float>();
+  const float* table = ins[1].data<float>();
+  const int32_t* indices = ins[2].data<int32_t>();
+  const int32_t* bounds = ins[3].data<int32_t>();
+  const float* entry_weights = bag.weighted ? ins[4].data<float>() : nullptr;
+  float* d_table = outs[0].data<float>();
+  const int64_t rows = outs[0].shape(0), dim = outs[0].shape(1), bags = ins[0].shape(0), entries = bounds[bags];
+
+  parallel_for(rows, rows * dim, [&](int64_t first, int64_t end) {
+    std::fill(d_table + first * dim, d_table + end * dim, 0.0f);
+  });
+  // Row ranges, one at a time per thread: each scans every entry and adds only into its own rows,
+  // in entry order, so no two threads write the same float and the sums never depend on them.
+  auto scatter = bag.mode == kMax ? scatter_row_range<kMax>
+                                  : (bag.mode == kMean ? scatter_row_range<kMean> : scatter_row_range<kSum>);
+  const int64_t ranges = std::min<int64_t>(4 * thread_budget(), rows);
+  parallel_for(ranges, entries * dim, [&](int64_t first_range, int64_t end_range) {
+    scatter(table, dim, indices, bounds, bags, entry_weights, bag.padding_idx, cotangent, d_table,
+            rows * first_range / ranges, rows * end_range / ranges);
+  });
+  if (entry_weights == nullptr) return;
+  float* d_entry_weights = outs[1].data<float>();  // sum(cotangent[b] * row) for each counted entry of bag b
+  parallel_for(bags, entries * dim, [&](int64_t first_bag, int64_t end_bag) {
+    for (int64_t b = first_bag; b < end_bag; ++b) {
+      const float* grad = cotangent + b * dim;
+      for (int64_t i = bounds[b]; i < bounds[b + 1]; ++i) {
+        float total = 0.0f;
+        if (indices[i] != bag.padding_idx) {
+          const float* row = table + indices[i] * dim;
+          for (int64_t d = 0; d < dim; ++d) total += grad[d] * row[d];
+        }
+        d_entry_weights[i] = total;
+      }
+    }
+  });
+}
+
+// ----------------------------------------------------------------- the operations Python calls
+
+// A ValueError in Python unless the arrays are what the loops read (the library passes them so).
+void check_bag_arrays(const mx::array& weight, const mx::array& indices, const mx::array& bounds,
+                      const std::optional<mx::array>& entry_weights) {
+  const bool ok = weight.ndim() == 2 && weight.dtype() == mx::float32 && indices.ndim() == 1 &&
+                  indices.dtype() == mx::int32 && bounds.ndim() == 1 && bounds.size() >= 1 &&
+                  bounds.dtype() == mx::int32 &&
+                  (!entry_weights || (entry_weights->dtype() == mx::float32 && entry_weights->shape() == indices.shape()));
+  if (!ok) {
+    throw std::invalid_argument(
+        "bag_pool: expected weight (V, D) float32, indices (N,) int32, bounds (B + 1,) int32 and entry_weights "
+        "(N,) float32 or None");
+  }
+}
+
+std::vector<const mx::array*> with_weights(std::vector<const mx::array*> inputs,
+                                           const std::optional<mx::array>& entry_weights) {
+  if (entry_weights) inputs.push_back(&*entry_weights);
+  return inputs;
+}
+
+mx::array bag_pool(const mx::array& weight, const mx::array& indices, const mx::array& bounds,
+                   const std::optional<mx::array>& entry_weights, int mode, int padding_idx) {
+  check_bag_arrays(weight, indices, bounds, entry_weights);
+  const int bags = bounds.shape(0) - 1, dim = weight.shape(1);
+  return seqlib_cpu::make_loop("EmbeddingBagPool", pool_forward, {{bags, dim}}, {mx::float32},
+                               with_weights({&weight, &indices, &bounds}, entry_weights),
+                               Bag{mode, padding_idx, entry_weights.has_value()})[0];
+}
+
+std::vector<mx::array> bag_pool_backward(const mx::array& cotangent, const mx::array& weight,
+                                         const mx::array& indices, const mx::array& bounds,
+                                         const std::optional<mx::array>& entry_weights, int mode, int padding_idx) {
+  check_bag_arrays(weight, indices, bounds, entry_weights);
+  if (cotangent.dtype() != mx::float32 || cotangent.shape() != mx::Shape{bounds.shape(0) - 1, weight.shape(1)}) {
+    throw std::invalid_argument("bag_pool_backward: expected a (B, D) float32 cotangent");
+  }
+  std::vector<mx::Shape> shapes = {weight.shape()};
+  if (entry_weights) shapes.push_back(entry_weights->shape());
+  std::vector<mx::Dtype> dtypes(shapes.size(), mx::float32);
+  return seqlib_cpu::make_loop("EmbeddingBagPoolBackward", pool_backward, std::move(shapes), std::move(dtypes),
+                               with_weights({&cotangent, &weight, &indices, &bounds}, entry_weights),
+                               Bag{mode, padding_idx, entry_weights.has_value()});
+}
+
+mx::array take_rows(const mx::array& table, const mx::array& indices) {
+  check_bag_arrays(table, indices, mx::array({0}), std::nullopt);
+  return seqlib_cpu::make_loop("TakeRows", gather, {{indices.shape(0), table.shape(1)}}, {mx::float32},
+                               {&table, &indices}, Bag{0, -1, false})[0];
+}
+
+}  // namespace
+
+void seqlib_cpu::register_bags(nb::module_& m) {
+  m.def("take_rows", &take_rows, "table"_a, "indices"_a);
+  m.def("bag_pool", &bag_pool, "weight"_a, "indices"_a, "bounds"_a, "entry_weights"_a.none(), "mode"_a,
+        "padding_idx"_a);
+  m.def("bag_pool_backward", &bag_pool_backward, "cotangent"_a, "weight"_a, "indices"_a, "bounds"_a,
+        "entry_weights"_a.none(), "mode"_a, "padding_idx"_a);
+}

@@ -1,0 +1,14 @@
+// module.cpp: the Python module of seqlib's CPU primitives, _seqlib_cpu, built by seqlib.native.
+//
+// recurrent_cpu.cpp (recurrent layers) and bags_cpu.cpp (embedding bags) each register their
+// operations here; cpu_loop.h holds the one primitive class they share.
+
+#include <nanobind/nanobind.h>
+
+#include "cpu_loop.h"
+
+NB_MODULE(_seqlib_cpu, m) {
+  m.doc() = "seqlib's CPU primitives for recurrent layers and embedding bags (built by seqlib.native)";
+  seqlib_cpu::register_recurrent(m);
+  seqlib_cpu::register_bags(m);
+}
