@@ -20,6 +20,10 @@
  * SMALL_GEMM multiply-adds run on one thread; larger ones on as many as
  * OpenBLAS is set to use (OPENBLAS_NUM_THREADS, threadpoolctl, ...).  seqlib.native's primitives call
  * cblas_sgemm by its plain name and so come here too.
+ *
+ * Matrix-vector products: OpenBLAS's GEMM packs the whole matrix operand on every call, so a
+ * product with one row or one column (a recurrent step at batch 1: 1 x 4H x H) costs several
+ * times its GEMV.  Row-major float32 and float64 products with m == 1 or n == 1 go to GEMV.
  */
 #include <stdint.h>
 
@@ -33,6 +37,11 @@ extern void scipy_cblas_dgemm(int order, int trans_a, int trans_b, int m, int n,
 extern void scipy_cblas_cgemm(int order, int trans_a, int trans_b, int m, int n, int k,
                               const void *alpha, const void *a, int lda,
                               const void *b, int ldb, const void *beta, void *c, int ldc);
+
+extern void scipy_cblas_sgemv(int order, int trans, int m, int n, float alpha, const float *a, int lda,
+                              const float *x, int incx, float beta, float *y, int incy);
+extern void scipy_cblas_dgemv(int order, int trans, int m, int n, double alpha, const double *a, int lda,
+                              const double *x, int incx, double beta, double *y, int incy);
 
 extern void scipy_openblas_set_num_threads(int threads);
 extern int scipy_openblas_get_num_threads(void);
@@ -63,6 +72,27 @@ static void restore_threads(int threads) {
   if (threads > 0) scipy_openblas_set_num_threads(threads);
 }
 
+enum { ROW_MAJOR = 101, NO_TRANS = 111, TRANS = 112 };
+
+/* C (m x n) = alpha op(A) op(B) + beta C with m == 1 or n == 1, row-major, as one GEMV:
+ * the vector is A's one row (m == 1) or B's one column (n == 1), read with its stride.  Where
+ * beta is 0, C is zeroed first: GEMM never reads C then, and a fresh buffer may hold NaNs. */
+#define GEMV_PRODUCT(gemv)                                                                               \
+  if (beta == 0) {                                                                                       \
+    for (int i = 0; i < (m == 1 ? n : m); ++i) c[(long long)i * (m == 1 ? 1 : ldc)] = 0;               \
+  }                                                                                                      \
+  if (m == 1) { /* c = op(B)^T a: B is k x n (NO_TRANS) or n x k (TRANS) */                              \
+    gemv(ROW_MAJOR, trans_b == NO_TRANS ? TRANS : NO_TRANS, trans_b == NO_TRANS ? k : n,                \
+         trans_b == NO_TRANS ? n : k, alpha, b, ldb, a, trans_a == NO_TRANS ? 1 : lda, beta, c, 1);     \
+  } else { /* c = op(A) b: A is m x k (NO_TRANS) or k x m (TRANS) */                                     \
+    gemv(ROW_MAJOR, trans_a, trans_a == NO_TRANS ? m : k, trans_a == NO_TRANS ? k : m, alpha, a, lda,   \
+         b, trans_b == NO_TRANS ? ldb : 1, beta, c, ldc);                                                \
+  }
+
+static int is_gemv(int order, int m, int n, int k) {
+  return order == ROW_MAJOR && (m == 1 || n == 1) && m > 0 && n > 0 && k > 0;
+}
+
 /* Counts forwarded calls, so seqlib can check that MLX really calls us. */
 static volatile int64_t forwarded_calls = 0;
 
@@ -73,7 +103,11 @@ EXPORT void cblas_sgemm(int order, int trans_a, int trans_b, int m, int n, int k
                         const float *b, int ldb, float beta, float *c, int ldc) {
   __atomic_add_fetch(&forwarded_calls, 1, __ATOMIC_RELAXED);
   int restore = threads_for((long long)m * n * k);
-  scipy_cblas_sgemm(order, trans_a, trans_b, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc);
+  if (is_gemv(order, m, n, k)) {
+    GEMV_PRODUCT(scipy_cblas_sgemv)
+  } else {
+    scipy_cblas_sgemm(order, trans_a, trans_b, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc);
+  }
   restore_threads(restore);
 }
 
@@ -82,7 +116,11 @@ EXPORT void cblas_dgemm(int order, int trans_a, int trans_b, int m, int n, int k
                         const double *b, int ldb, double beta, double *c, int ldc) {
   __atomic_add_fetch(&forwarded_calls, 1, __ATOMIC_RELAXED);
   int restore = threads_for((long long)m * n * k);
-  scipy_cblas_dgemm(order, trans_a, trans_b, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc);
+  if (is_gemv(order, m, n, k)) {
+    GEMV_PRODUCT(scipy_cblas_dgemv)
+  } else {
+    scipy_cblas_dgemm(order, trans_a, trans_b, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc);
+  }
   restore_threads(restore);
 }
 

@@ -175,3 +175,81 @@ def test_small_products_run_on_one_openblas_thread_and_large_ones_on_all_it_may_
     """, OPENBLAS_NUM_THREADS="2")
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == "[1, 2, 1, 1] [2, 2, 2, 1]"
+
+
+@linux_only
+def test_one_row_or_one_column_products_go_to_gemv_with_every_layout():
+    """OpenBLAS's GEMM packs its matrix operand on every call: a 1 x 2048 x 512 product cost 5x its GEMV.
+    The shim sends m == 1 and n == 1 to GEMV; every transposition and stride must give the product, and
+    a fresh output must not leak into it (beta = 0)."""
+    result = run_python("""
+        import ctypes, json, numpy as np, seqlib, mlx.core as mx
+        calls = ctypes.CDLL(seqlib.blas_status().shim_path).seqlib_blas_shim_calls
+        calls.restype = ctypes.c_int64
+        rng = np.random.default_rng(0)
+        def arr(*shape):
+            return rng.standard_normal(shape).astype(np.float32)
+        errors = {}
+        cases = {
+            "row @ matrix": (arr(1, 7), arr(7, 5)),
+            "row @ matrix.T": (arr(1, 7), arr(5, 7).T),
+            "column.T @ matrix": (arr(7, 1).T, arr(7, 5)),
+            "matrix @ column": (arr(5, 7), arr(7, 1)),
+            "matrix.T @ column": (arr(7, 5).T, arr(7, 1)),
+            "matrix @ row.T": (arr(5, 7), arr(1, 7).T),
+            "strided rows": (arr(3, 9)[1:2, ::1], arr(4, 9)[:, :9].T),
+            "a column of a wider matrix as the row": (arr(7, 9)[:, 2:3].T, arr(7, 5)),
+            "a column of a wider matrix as the column": (arr(5, 7), arr(7, 9)[:, 4:5]),
+            "a row of a taller matrix as the column": (arr(5, 7), arr(3, 7)[1:2].T),
+            "1 x 1": (arr(1, 6), arr(6, 1)),
+        }
+        before = calls()
+        for name, (a, b) in cases.items():
+            for dtype in (mx.float32, mx.float64):
+                product = mx.matmul(mx.array(a, dtype=dtype), mx.array(b, dtype=dtype), stream=mx.cpu)
+                want = a.astype(np.float64) @ b.astype(np.float64)
+                errors[f"{name} {dtype}"] = float(np.abs(np.array(product).astype(np.float64) - want).max())
+        bias, (row, matrix) = arr(5), cases["row @ matrix"]
+        added = mx.addmm(mx.array(bias), mx.array(row), mx.array(matrix))
+        errors["addmm"] = float(np.abs(np.array(added) - (bias + row @ matrix)).max())
+        print(json.dumps({"errors": errors, "forwarded": calls() - before}))
+    """)
+    assert result.returncode == 0, result.stderr
+    report = json.loads(result.stdout)
+    assert report["forwarded"] >= 23  # every product came through the shim
+    for name, error in report["errors"].items():
+        assert error < 1e-5, (name, error)
+
+
+@linux_only
+def test_the_shims_gemm_gives_the_product_for_every_shape_transposition_and_stride():
+    """The shim's cblas_sgemm/dgemm called directly: GEMV for one row or column, GEMM otherwise, with
+    padded leading dimensions, alpha, beta, and NaN in an output that beta = 0 must ignore."""
+    import ctypes
+    import itertools
+
+    import numpy as np
+
+    shim = ctypes.CDLL(seqlib.blas_status().shim_path)
+    rng = np.random.default_rng(0)
+    for (m, n, k), trans_a, trans_b, beta, dtype in itertools.product(
+        [(1, 5, 7), (4, 1, 6), (1, 1, 3), (3, 4, 5)], (False, True), (False, True), (0.0, 0.5), (np.float32, np.float64)
+    ):
+        pad = 3  # every leading dimension is longer than its row, as for a slice of a wider matrix
+        stored_a = rng.standard_normal((k, m + pad) if trans_a else (m, k + pad)).astype(dtype)
+        stored_b = rng.standard_normal((n, k + pad) if trans_b else (k, n + pad)).astype(dtype)
+        a = stored_a[:, :m].T if trans_a else stored_a[:, :k]
+        b = stored_b[:, :k].T if trans_b else stored_b[:, :n]
+        c = rng.standard_normal((m, n + pad)).astype(dtype)
+        if beta == 0:
+            c[:] = np.nan
+        want = 1.5 * a.astype(np.float64) @ b.astype(np.float64) + (beta * c[:, :n] if beta else 0)
+        scalar, pointer = ctypes.c_float if dtype == np.float32 else ctypes.c_double, ctypes.c_void_p
+        gemm = shim.cblas_sgemm if dtype == np.float32 else shim.cblas_dgemm
+        gemm.argtypes = [ctypes.c_int] * 6 + [scalar, pointer, ctypes.c_int, pointer, ctypes.c_int, scalar,
+                                                  pointer, ctypes.c_int]  # fmt: skip
+        gemm(101, 112 if trans_a else 111, 112 if trans_b else 111, m, n, k, 1.5,
+             stored_a.ctypes.data, stored_a.shape[1], stored_b.ctypes.data, stored_b.shape[1], beta,
+             c.ctypes.data, c.shape[1])  # fmt: skip
+        case = f"m={m} n={n} k={k} trans_a={trans_a} trans_b={trans_b} beta={beta} {dtype.__name__}"
+        np.testing.assert_allclose(c[:, :n], want, rtol=1e-5, atol=1e-5, err_msg=case)

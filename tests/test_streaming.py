@@ -65,10 +65,12 @@ def test_a_step_equals_a_call_on_one_step_batched_unbatched_and_projected(kind):
     for mine, want in zip(_leaves(new_state), _leaves(want_state), strict=True):
         assert mine.shape == want.shape
         assert_close(mine, np.array(want), rtol=0, atol=0)
+    # One sequence is a batch of 1, whose matmuls are matrix-vector products (GEMV, summed in another
+    # order than the batch's GEMM): equal within float32 rounding.
     unbatched_output, unbatched_state = ours.step(x[0], tree_map(lambda s: s[:, 0], state))
-    assert_close(unbatched_output, np.array(output[0]), rtol=0, atol=0)
+    assert_close(unbatched_output, np.array(output[0]), rtol=1e-5, atol=1e-6)
     for mine, want in zip(_leaves(unbatched_state), _leaves(new_state), strict=True):
-        assert_close(mine, np.array(want[:, 0]), rtol=0, atol=0)
+        assert_close(mine, np.array(want[:, 0]), rtol=1e-5, atol=1e-6)
 
 
 def _leaves(state):
@@ -120,3 +122,68 @@ def test_a_bidirectional_layer_refuses_to_step_and_bad_inputs_are_named():
 def test_an_empty_batch_steps_to_empty_outputs():
     output, (h, c) = seqlib.nn.LSTM(3, 4, num_layers=2).step(mx.zeros((0, 3)))
     assert (output.shape, h.shape, c.shape) == ((0, 4), (2, 0, 4), (2, 0, 4))
+
+
+# ----------------------------------------------------------------- steps run at once (seqlib.native)
+
+def _runs_at_once() -> bool:
+    from seqlib import kernels, native
+
+    return native.available() and not kernels.uses_kernels()
+
+
+def _graph_path_only(monkeypatch):
+    """Send every step through the MLX graph, as where seqlib.native is not built."""
+    from seqlib.nn import recurrence
+
+    monkeypatch.setattr(recurrence.Recurrence, "_step_now", lambda self, rows, states, suffixes: None)
+
+
+STEP_OPTIONS = [{}, {"num_layers": 3}, {"num_layers": 2, "bias": False}]
+STEP_CASES = [(kind, options) for kind in KINDS for options in STEP_OPTIONS] + [("RNN", {"nonlinearity": "relu"})]
+
+
+@pytest.mark.parametrize(("kind", "options"), STEP_CASES)
+@pytest.mark.parametrize("batch", [1, 3])
+def test_steps_run_at_once_equal_the_graph_path(monkeypatch, kind, options, batch):
+    """Outside mx.grad a step runs in seqlib.native's C++, no MLX graph: the same numbers as the graph."""
+    ours, _ = layer_pair(kind, hidden_size=6, **options)
+    cell = getattr(seqlib.nn, kind + "Cell")(3, 6, bias=options.get("bias", True), **(
+        {"nonlinearity": options["nonlinearity"]} if "nonlinearity" in options else {}))  # fmt: skip
+    rng = np.random.default_rng(4)
+    xs = [mx.array(rng.standard_normal((batch, 3)).astype(np.float32)) for _ in range(4)]
+
+    def stream():
+        state, cell_state, results = None, None, []
+        for x in xs:
+            output, state = ours.step(x, state)
+            cell_state = cell(x, cell_state)
+            results += [output, *_leaves(state), *_leaves(cell_state)]
+        return [np.array(result) for result in results]
+
+    at_once = stream()
+    with monkeypatch.context() as patch:
+        _graph_path_only(patch)
+        graph = stream()
+    for position, (mine, want) in enumerate(zip(at_once, graph, strict=True)):
+        np.testing.assert_allclose(mine, want, rtol=1e-5, atol=1e-6, err_msg=f"result {position}")
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_step_outside_mx_grad_calls_the_primitive_once_for_the_whole_stack(monkeypatch, kind):
+    if not _runs_at_once():
+        pytest.skip("seqlib.native is not built here, or the Metal kernels run the steps")
+    from seqlib import native
+
+    extension = native.extension()
+    name = kind.lower() + "_step"
+    calls = []
+    original = getattr(extension, name)
+    monkeypatch.setattr(extension, name, lambda *args: calls.append(args) or original(*args))
+    ours, _ = layer_pair(kind, num_layers=3)
+    x = mx.ones((2, 3))
+    mx.eval(ours.step(x))
+    assert len(calls) == 1  # all three layers in one call, no graph between them
+    mx.eval(mx.grad(lambda x: ours.step(x)[0].sum())(x))  # traced: the graph path, with its gradient
+    mx.eval(mx.compile(lambda x: ours.step(x)[0])(x))  # traced by mx.compile: the graph path too
+    assert len(calls) == 1

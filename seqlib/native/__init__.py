@@ -6,7 +6,9 @@ on x86 those kernels are scalar code.  ``recurrent_cpu.cpp`` adds MLX primitives
 operation) that run a whole LSTM, GRU or Elman RNN layer-direction in one operation: per
 time step one OpenBLAS call and one loop of gate math vectorised for the host's CPU.
 ``bags_cpu.cpp`` pools embedding bags straight from the table, in one pass, forward and
-backward.  :mod:`seqlib.scan` and :func:`seqlib.functional.embedding_bag` use them where
+backward.  For streaming, ``lstm_step``/``gru_step``/``rnn_step`` run one time step of a cell
+or a stack of layers at once, outside MLX's graph (an MLX graph per step at batch 1 costs
+more than the step).  :mod:`seqlib.scan` and :func:`seqlib.functional.embedding_bag` use them where
 :func:`available` says so; the MLX-ops path gives the same numbers within float32
 rounding and stays in place everywhere else (other dtypes, a projected LSTM, the Metal
 kernels, macOS).  A call that no transformation traces runs the forward alone; under

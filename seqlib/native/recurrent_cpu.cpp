@@ -29,9 +29,12 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <optional>
+#include <stdexcept>
 #include <vector>
 
 #include <nanobind/nanobind.h>
+#include <nanobind/stl/optional.h>
 #include <nanobind/stl/vector.h>
 
 #include "cpu_loop.h"
@@ -361,6 +364,132 @@ std::vector<mx::array> rnn_sequence_backward(const mx::array& w_hh, const mx::ar
                   batch_sizes, reverse, relu ? kRelu : 0);
 }
 
+// ----------------------------------------------------------------- one step now, for streaming
+//
+// lstm_step, gru_step and rnn_step run one time step of a cell or of a stack of unidirectional
+// layers at once, outside MLX's graph: they evaluate their arguments, compute, and return evaluated arrays.  A stream of
+// single steps at batch 1 is otherwise dominated by building and scheduling an MLX graph per
+// step.  The arithmetic is the graph path's: the input side as MLX's addmm computes it (the
+// bias, b_ih + b_hh where the layer folds them, copied into the output, then one sgemm adding
+// x W_ih^T), then the same loop as a one-step sequence, so a step gives the same bits.
+
+using OptionalArray = std::optional<mx::array>;
+
+// An argument's values, evaluated and row-contiguous.
+mx::array evaluated(const mx::array& argument) {
+  mx::array array = argument;
+  array.eval();
+  if (!array.flags().row_contiguous) {
+    array = mx::contiguous(array, false, seqlib_cpu::cpu_stream());
+    array.eval();
+  }
+  return array;
+}
+
+mx::array fresh(int rows, int width) {
+  return mx::array(mx::allocator::malloc(sizeof(float) * rows * width), {rows, width}, mx::float32);
+}
+
+// x_gates (B, G) = b_ih (+ b_hh) + x W_ih^T, or x W_ih^T without a bias.
+mx::array input_side(const mx::array& x, const mx::array& w_ih, const OptionalArray& b_ih, const OptionalArray& b_hh) {
+  const int batch = x.shape(0), width = w_ih.shape(0), features = w_ih.shape(1);
+  mx::array x_gates = fresh(batch, width);
+  float* out = x_gates.data<float>();
+  if (b_ih) {
+    const mx::array bias_ih = evaluated(*b_ih);
+    std::vector<float> bias(bias_ih.data<float>(), bias_ih.data<float>() + width);
+    if (b_hh) {
+      const mx::array bias_hh = evaluated(*b_hh);
+      for (int j = 0; j < width; ++j) bias[j] += bias_hh.data<float>()[j];
+    }
+    for (int r = 0; r < batch; ++r) copy_rows(out + static_cast<size_t>(r) * width, bias.data(), 1, width);
+  }
+  const mx::array rows = evaluated(x), weight = evaluated(w_ih);
+  cblas_sgemm(kRowMajor, kNoTrans, kTrans, batch, width, features, 1.0f, rows.data<float>(), features,
+              weight.data<float>(), features, b_ih ? 1.0f : 0.0f, out, width);
+  return x_gates;
+}
+
+// Run a forward loop for one step of all B rows on evaluated arrays; returns output, h_n (, c_n).
+std::vector<mx::array> step_now(seqlib_cpu::CpuLoop<Loop>::Runner runner, std::vector<mx::array> ins, int states,
+                                int option) {
+  const int batch = ins.back().shape(0), hidden = ins.back().shape(1);
+  std::vector<mx::array> outs;
+  for (int k = 0; k <= states; ++k) outs.push_back(fresh(batch, hidden));
+  runner(ins, outs, Loop{{Step{0, batch}}, option});
+  return outs;
+}
+
+// One layer's step: (rows (B, D), its states (B, H) each, w_ih, w_hh, b_ih, b_hh) -> output, new states.
+using LayerStep = std::vector<mx::array> (*)(const mx::array& rows, const std::vector<mx::array>& states,
+                                             const OptionalArray* weights, int option);
+
+// One step of a stack of layers: states are (B, H), or (L, B, H) for L layers; weights hold
+// w_ih, w_hh, b_ih, b_hh (biases None) for each layer in turn.  Returns the last layer's output
+// (B, H) and the new states, in the states' shapes.
+std::vector<mx::array> layers_step(LayerStep layer_step, const mx::array& x, const std::vector<mx::array>& states,
+                                   const std::vector<OptionalArray>& weights, int option) {
+  const bool stacked = states[0].ndim() == 3;
+  const int layers = stacked ? states[0].shape(0) : 1;
+  if (weights.size() != 4 * static_cast<size_t>(layers)) {
+    throw std::invalid_argument("step: expected w_ih, w_hh, b_ih, b_hh for each of the states' layers");
+  }
+  std::vector<mx::array> given, finals;
+  for (const auto& state : states) {
+    given.push_back(evaluated(state));
+    finals.push_back(mx::array(mx::allocator::malloc(state.nbytes()), state.shape(), mx::float32));
+  }
+  const int batch = given[0].shape(stacked ? 1 : 0), hidden = given[0].shape(stacked ? 2 : 1);
+  const size_t layer_floats = static_cast<size_t>(batch) * hidden;
+  mx::array rows = evaluated(x);
+  for (int layer = 0; layer < layers; ++layer) {
+    std::vector<mx::array> layer_states;
+    for (const auto& state : given) {
+      layer_states.push_back(fresh(batch, hidden));
+      copy_rows(layer_states.back().data<float>(), state.data<float>() + layer * layer_floats, batch, hidden);
+    }
+    std::vector<mx::array> outs = layer_step(rows, layer_states, &weights[4 * layer], option);
+    for (size_t k = 0; k < finals.size(); ++k) {
+      copy_rows(finals[k].data<float>() + layer * layer_floats, outs[k + 1].data<float>(), batch, hidden);
+    }
+    rows = outs[0];
+  }
+  finals.insert(finals.begin(), rows);
+  return finals;
+}
+
+std::vector<mx::array> lstm_layer_step(const mx::array& rows, const std::vector<mx::array>& states,
+                                       const OptionalArray* w, int) {
+  return step_now(lstm_forward, {input_side(rows, *w[0], w[2], w[3]), evaluated(*w[1]), states[0], states[1]}, 2, 0);
+}
+
+std::vector<mx::array> gru_layer_step(const mx::array& rows, const std::vector<mx::array>& states,
+                                      const OptionalArray* w, int) {
+  mx::array b_hh = w[3] ? evaluated(*w[3]) : mx::zeros({w[1]->shape(0)}, mx::float32);
+  b_hh.eval();  // b_hh stays inside r * (W_hn h + b_hn): only b_ih joins the input side
+  return step_now(gru_forward, {input_side(rows, *w[0], w[2], std::nullopt), evaluated(*w[1]), b_hh, states[0]}, 1,
+                  0);
+}
+
+std::vector<mx::array> rnn_layer_step(const mx::array& rows, const std::vector<mx::array>& states,
+                                      const OptionalArray* w, int option) {
+  return step_now(rnn_forward, {input_side(rows, *w[0], w[2], w[3]), evaluated(*w[1]), states[0]}, 1, option);
+}
+
+std::vector<mx::array> lstm_step(const mx::array& x, const mx::array& h0, const mx::array& c0,
+                                 const std::vector<OptionalArray>& weights) {
+  return layers_step(lstm_layer_step, x, {h0, c0}, weights, 0);
+}
+
+std::vector<mx::array> gru_step(const mx::array& x, const mx::array& h0, const std::vector<OptionalArray>& weights) {
+  return layers_step(gru_layer_step, x, {h0}, weights, 0);
+}
+
+std::vector<mx::array> rnn_step(const mx::array& x, const mx::array& h0, const std::vector<OptionalArray>& weights,
+                                bool relu) {
+  return layers_step(rnn_layer_step, x, {h0}, weights, relu ? kRelu : 0);
+}
+
 }  // namespace
 
 void seqlib_cpu::register_recurrent(nb::module_& m) {
@@ -374,6 +503,9 @@ void seqlib_cpu::register_recurrent(nb::module_& m) {
         "d_output"_a, "d_h_n"_a, "batch_sizes"_a, "reverse"_a);
   m.def("rnn_sequence", &rnn_sequence, "x_gates"_a, "w_hh"_a, "h0"_a, "batch_sizes"_a, "reverse"_a, "relu"_a,
         "save"_a);
+  m.def("lstm_step", &lstm_step, "x"_a, "h0"_a, "c0"_a, "weights"_a);
+  m.def("gru_step", &gru_step, "x"_a, "h0"_a, "weights"_a);
+  m.def("rnn_step", &rnn_step, "x"_a, "h0"_a, "weights"_a, "relu"_a);
   m.def("rnn_sequence_backward", &rnn_sequence_backward, "w_hh"_a, "output"_a, "d_output"_a, "d_h_n"_a,
         "batch_sizes"_a, "reverse"_a, "relu"_a);
 }

@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import mlx.core as mx
 
-from seqlib import scan
+from seqlib import kernels, native, scan
+from seqlib.pointwise import is_traced
 
 __all__ = ["GRURecurrence", "LSTMRecurrence", "RNNRecurrence", "Recurrence"]
 
@@ -32,6 +33,28 @@ class Recurrence:
                 f"convert it with .astype({dtype}) or the layer with .set_dtype({array.dtype})"
             )
 
+    def _step_now(self, rows, states, suffixes):
+        """One step of the directions ``suffixes`` (a cell: ``[""]``; a stack of unidirectional layers:
+        ``["_l0", "_l1", ...]``) run at once in :mod:`seqlib.native`, or None where the MLX graph must
+        run.  Streaming calls one step at a time, and at batch 1 building and scheduling a graph per
+        step costs more than the step.  ``states``: (B, H) each for a cell, (L, B, H) for layers.
+
+        At once: float32 on the CPU with the C++ primitives built, no Metal kernels, no projection, and
+        nothing traced (no gradient to take, not under ``mx.compile`` or ``mx.vmap``).
+        """
+        if rows.dtype != mx.float32 or getattr(self, "proj_size", 0) or not native.available():
+            return None
+        if kernels.uses_kernels() or mx.default_device() != mx.cpu:
+            return None
+        names = ("weight_ih", "weight_hh", "bias_ih", "bias_hh") if self.bias else ("weight_ih", "weight_hh")
+        weights = []
+        for suffix in suffixes:
+            layer_weights = [self[name + suffix] for name in names]
+            weights += layer_weights + [None] * (4 - len(layer_weights))
+        if is_traced(rows, *states, *(weight for weight in weights if weight is not None)):
+            return None
+        return self._native_step(native.extension(), rows, states, weights)
+
     def _input_side(self, rows, suffix: str, fold_hidden_bias: bool) -> mx.array:
         """``rows @ W_ih.T + b_ih`` (+ ``b_hh`` where it can be folded in) for every row at once."""
         weight_ih = getattr(self, "weight_ih" + suffix)
@@ -44,7 +67,13 @@ class Recurrence:
 
 
 class RNNRecurrence(Recurrence):
+    def _native_step(self, extension, rows, states, weights):
+        return tuple(extension.rnn_step(rows, states[0], weights, self.nonlinearity == "relu"))
+
     def _run_direction(self, rows, batch_sizes, states, suffix, reverse):
+        stepped = self._step_now(rows, states, [suffix]) if len(batch_sizes) == 1 else None
+        if stepped is not None:
+            return stepped
         x_gates = self._input_side(rows, suffix, fold_hidden_bias=True)
         weight_hh = getattr(self, "weight_hh" + suffix)
         return scan.rnn_sequence(x_gates, weight_hh, states[0], batch_sizes, reverse, self.nonlinearity)
@@ -53,7 +82,13 @@ class RNNRecurrence(Recurrence):
 class LSTMRecurrence(Recurrence):
     gate_blocks = 4
 
+    def _native_step(self, extension, rows, states, weights):
+        return tuple(extension.lstm_step(rows, states[0], states[1], weights))
+
     def _run_direction(self, rows, batch_sizes, states, suffix, reverse):
+        stepped = self._step_now(rows, states, [suffix]) if len(batch_sizes) == 1 else None
+        if stepped is not None:
+            return stepped
         x_gates = self._input_side(rows, suffix, fold_hidden_bias=True)
         weight_hh = getattr(self, "weight_hh" + suffix)
         weight_hr = getattr(self, "weight_hr" + suffix) if self.proj_size else None
@@ -63,7 +98,13 @@ class LSTMRecurrence(Recurrence):
 class GRURecurrence(Recurrence):
     gate_blocks = 3
 
+    def _native_step(self, extension, rows, states, weights):
+        return tuple(extension.gru_step(rows, states[0], weights))
+
     def _run_direction(self, rows, batch_sizes, states, suffix, reverse):
+        stepped = self._step_now(rows, states, [suffix]) if len(batch_sizes) == 1 else None
+        if stepped is not None:
+            return stepped
         x_gates = self._input_side(rows, suffix, fold_hidden_bias=False)  # b_hn sits inside r * (...)
         weight_hh = getattr(self, "weight_hh" + suffix)
         bias_hh = getattr(self, "bias_hh" + suffix) if self.bias else mx.zeros((weight_hh.shape[0],), rows.dtype)

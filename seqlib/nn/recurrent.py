@@ -141,8 +141,11 @@ class _RNNBase(TorchStateDictMixin, nn.Module):
         """One time step of every layer, for streaming: feed ``x_t`` and the carried state.
 
         ``layer.step(x_t, hx)`` gives what ``layer(x_t[None], hx)`` gives (``x_t[:, None]`` with
-        ``batch_first``) with the time axis dropped, without building a sequence around it:
-        outside ``mx.grad`` each layer is one compiled step (see :mod:`seqlib.scan`).
+        ``batch_first``) with the time axis dropped, without building a sequence around it.
+        Outside ``mx.grad`` (and ``mx.compile``, ``mx.vmap``), in float32 on the CPU where
+        :mod:`seqlib.native` is built, the whole stack runs at once in one C++ call and returns
+        evaluated arrays: no MLX graph per step.  Elsewhere each layer is one compiled step
+        (see :mod:`seqlib.scan`).
 
         Args:
             input: :math:`x_t`, ``(B, D)``, or ``(D,)`` for one sequence.
@@ -187,6 +190,12 @@ class _RNNBase(TorchStateDictMixin, nn.Module):
 
     def _run_layers(self, rows, batch_sizes, states):
         """rows (N, D) packed; states: per kind (h, and c for the LSTM) a (L * dirs, B, .) array."""
+        dropping = self.training and self.dropout > 0 and self.num_layers > 1
+        if len(batch_sizes) == 1 and self.num_directions == 1 and not dropping:  # one step, maybe streamed
+            stepped = self._step_now(rows, states, [self._suffixes(layer)[0] for layer in range(self.num_layers)])
+            if stepped is not None:
+                output, *finals = stepped
+                return output, finals
         finals = [[] for _ in states]
         for layer in range(self.num_layers):
             if layer > 0 and self.training and self.dropout > 0:
