@@ -3,8 +3,9 @@
 // The CPU counterpart of metal_kernels/embedding_bag.metal.  MLX's own ops pool bags as a gather
 // of every entry's row (an (N, D) array written and read back) and one reduction per bucket of
 // equally long bags; here each bag's rows are read straight from the table and summed in
-// place, with the next rows prefetched, since the reads are random and the cost is memory
-// latency.  seqlib.functional.embedding_bag calls these where seqlib.native is available.
+// vector registers, 64 columns at a time, with the rows of the next entries prefetched, since
+// the reads are random and the cost is memory latency.  (Summing into the output row in
+// memory instead cost twice torch's time: a load and a store of it per entry.)  seqlib.functional.embedding_bag calls these where seqlib.native is available.
 //
 //   EmbeddingBagPool          forward: out[b] = sum / mean / max of weight[indices[i]]
 //                             (times entry_weights[i]) over the entries i of bag b
@@ -112,34 +113,56 @@ inline void prefetch(const float* row, int64_t width) {
   __builtin_prefetch(last);
 }
 
-// Bags [first_bag, end_bag) of one mode, as a tight loop over plain pointers (the mode a template
-// argument, so the inner loop has no branch and vectorises).
+constexpr int64_t kTile = 64;  // columns a bag is summed over at a time, in registers
+
+// Columns [column, column + width) of one bag (entries begin to end), summed in a local array:
+// with the constant width kTile the compiler keeps it in vector registers, so each entry costs
+// loads of its row and no load or store of the output.
+template <int kMode, int64_t kWidth>
+inline void pool_columns(const float* __restrict table, int64_t dim, const int32_t* __restrict indices,
+                         int64_t begin, int64_t end, const float* __restrict entry_weights, int32_t padding_idx,
+                         int64_t column, int64_t width, float* __restrict out) {
+  const int64_t columns = kWidth > 0 ? kWidth : width;
+  float total[kTile] = {};
+  int64_t count = 0;
+  for (int64_t i = begin; i < end; ++i) {
+    if (indices[i] == padding_idx) continue;
+    const float* __restrict row = table + indices[i] * dim + column;
+    if (kMode == kMax) {
+      for (int64_t d = 0; d < columns; ++d) total[d] = (count == 0 || row[d] > total[d]) ? row[d] : total[d];
+    } else if (entry_weights != nullptr) {
+      const float scale = entry_weights[i];
+      for (int64_t d = 0; d < columns; ++d) total[d] += scale * row[d];
+    } else {
+      for (int64_t d = 0; d < columns; ++d) total[d] += row[d];
+    }
+    ++count;
+  }
+  if (kMode == kMean && count > 0) {
+    const float size = static_cast<float>(count);
+    for (int64_t d = 0; d < columns; ++d) total[d] /= size;
+  }
+  for (int64_t d = 0; d < columns; ++d) out[column + d] = total[d];
+}
+
+// Bags [first_bag, end_bag) of one mode (a template argument, so the inner loops have no branch).
 template <int kMode>
 void pool_bag_range(const float* __restrict table, int64_t dim, const int32_t* __restrict indices,
                     const int32_t* __restrict bounds, const float* __restrict entry_weights, int32_t padding_idx,
                     float* __restrict pooled, int64_t first_bag, int64_t end_bag) {
   const int64_t end_entry = bounds[end_bag];
   for (int64_t b = first_bag; b < end_bag; ++b) {
-    float* __restrict out = pooled + b * dim;
-    std::fill(out, out + dim, 0.0f);
-    int64_t count = 0;
-    for (int64_t i = bounds[b]; i < bounds[b + 1]; ++i) {
-      if (i + kAhead < end_entry) prefetch(table + indices[i + kAhead] * dim, dim);
-      if (indices[i] == padding_idx) continue;
-      const float* __restrict row = table + indices[i] * dim;
-      if (kMode == kMax) {
-        for (int64_t d = 0; d < dim; ++d) out[d] = (count == 0 || row[d] > out[d]) ? row[d] : out[d];
-      } else if (entry_weights != nullptr) {
-        const float scale = entry_weights[i];
-        for (int64_t d = 0; d < dim; ++d) out[d] += scale * row[d];
-      } else {
-        for (int64_t d = 0; d < dim; ++d) out[d] += row[d];
-      }
-      ++count;
+    const int64_t begin = bounds[b], end = bounds[b + 1];
+    for (int64_t i = begin + kAhead; i < std::min(end + kAhead, end_entry); ++i) {
+      prefetch(table + indices[i] * dim, dim);  // the rows of the entries kAhead further on
     }
-    if (kMode == kMean && count > 0) {
-      const float size = static_cast<float>(count);
-      for (int64_t d = 0; d < dim; ++d) out[d] /= size;
+    float* out = pooled + b * dim;
+    int64_t column = 0;
+    for (; column + kTile <= dim; column += kTile) {
+      pool_columns<kMode, kTile>(table, dim, indices, begin, end, entry_weights, padding_idx, column, kTile, out);
+    }
+    if (column < dim) {
+      pool_columns<kMode, 0>(table, dim, indices, begin, end, entry_weights, padding_idx, column, dim - column, out);
     }
   }
 }
