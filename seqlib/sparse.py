@@ -111,7 +111,7 @@ class _Recording:
     calls: list[np.ndarray] = field(default_factory=list)
 
 
-_DENSE_RENUMBERING_ROWS = 2**26  # up to this many table rows, renumber through a (V,) map (at most 256 MB)
+_MAP_ROWS_PER_LOOKUP = 16  # renumber through a (V,) map when V is at most this many times the rows read
 
 
 @dataclass
@@ -124,8 +124,12 @@ class _Rows:
     position_of: np.ndarray | None = None  # (V,) where each table row is in `unique` (-1: not there), made once
 
     def positions(self, flat: np.ndarray) -> np.ndarray:
-        """Where each of ``flat``'s rows is in ``unique``; -1 (or past the end) where it is not there."""
-        if self.num_embeddings > _DENSE_RENUMBERING_ROWS:  # a binary search per index, no (V,) map
+        """Where each of ``flat``'s rows is in ``unique``; -1 where it is not there (or not a row at all).
+
+        A (V,) map costs O(V) to fill, so it is used only when V is within a small factor of the rows
+        read; otherwise a binary search per index.
+        """
+        if self.num_embeddings > _MAP_ROWS_PER_LOOKUP * max(self.unique.size, 1024):
             positions = np.searchsorted(self.unique, flat)
             found = positions < self.unique.size
             found[found] = self.unique[positions[found]] == flat[found]
@@ -133,7 +137,10 @@ class _Rows:
         if self.position_of is None:
             self.position_of = np.full(self.num_embeddings, -1, np.int32)
             self.position_of[self.unique] = np.arange(self.unique.size, dtype=np.int32)
-        return self.position_of[flat]
+        inside = (flat >= 0) & (flat < self.num_embeddings)
+        if inside.all():
+            return self.position_of[flat]
+        return np.where(inside, self.position_of[np.where(inside, flat, 0)], -1)
 
 
 def lookup_table(module, input: mx.array):

@@ -274,3 +274,43 @@ def test_take_rows_copies_rows_bit_for_bit():
     large = random((3000, 70), 5)
     picks = mx.array(np.random.default_rng(1).integers(0, 3000, 20000).astype(np.int32))  # several threads
     assert np.array_equal(np.array(native.extension().take_rows(large, picks)), np.array(large)[np.array(picks)])
+
+
+@linux_only
+def test_the_step_primitives_refuse_arrays_that_do_not_fit():
+    """The layers pass checked arrays; a direct call with a misfit gets a ValueError, not a wild read."""
+    extension = native.extension()
+    x, h = mx.zeros((2, 3)), mx.zeros((2, 4))
+    weights = [mx.zeros((16, 3)), mx.zeros((16, 4)), None, None]
+    mx.eval(extension.lstm_step(x, h, h, weights))  # fits
+    with pytest.raises(ValueError, match="w_hh"):
+        extension.lstm_step(x, h, h, [weights[0], mx.zeros((16, 5)), None, None])
+    with pytest.raises(ValueError, match="b_ih"):
+        extension.lstm_step(x, h, h, [*weights[:2], mx.zeros(15), None])
+    with pytest.raises(ValueError, match="batch"):
+        extension.gru_step(mx.zeros((3, 3)), h, [mx.zeros((12, 3)), mx.zeros((12, 4)), None, None])
+    with pytest.raises(ValueError, match="each layer"):
+        extension.rnn_step(x, mx.zeros((2, 2, 4)), [mx.zeros((4, 3)), mx.zeros((4, 4)), None, None], False)
+    with pytest.raises(ValueError, match="float32"):
+        extension.rnn_step(x.astype(mx.float16), h, [mx.zeros((4, 3)), mx.zeros((4, 4)), None, None], False)
+
+
+@linux_only
+def test_vmap_runs_the_primitives_and_unsupported_transformations_say_so():
+    from seqlib import functional
+
+    import seqlib
+
+    ids, offsets = mx.array([1, 2, 3, 4]), mx.array([0, 2])
+    tables = random((3, 6, 4), 7)
+    mapped = mx.vmap(lambda table: functional.embedding_bag(ids, table, offsets, mode="sum"))(tables)
+    one_by_one = mx.stack([functional.embedding_bag(ids, table, offsets, mode="sum") for table in tables])
+    np.testing.assert_array_equal(np.array(mapped), np.array(one_by_one))
+    layer, x = seqlib.nn.GRU(4, 5), random((3, 2, 4), 8)
+    mapped = mx.vmap(lambda x: layer(x)[0])(x)
+    np.testing.assert_array_equal(np.array(mapped), np.array(mx.stack([layer(x_k)[0] for x_k in x])))
+    with pytest.raises(ValueError, match=r"mx\.jvp .*SEQLIB_NATIVE=0"):
+        mx.eval(mx.jvp(lambda table: functional.embedding_bag(ids, table, offsets), [tables[0]], [tables[0]]))
+    with pytest.raises(ValueError, match=r"second derivative.*SEQLIB_NATIVE=0"):
+        inner = mx.grad(lambda table: (functional.embedding_bag(ids, table, offsets, mode="sum") ** 3).sum())
+        mx.eval(mx.grad(lambda table: inner(table).sum())(tables[0]))

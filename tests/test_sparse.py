@@ -100,9 +100,11 @@ def test_without_sparse_tables_it_is_mlx_value_and_grad():
     assert isinstance(grads["weight"], mx.array) and grads["weight"].shape == (5, 2)
 
 
-def test_a_loss_that_reads_other_rows_the_second_time_is_refused():
-    model = seqlib.nn.Embedding(10, 2, sparse=True)
-    calls = iter([mx.array([1, 2]), mx.array([3])])
+@pytest.mark.parametrize("second", [[3], [-1], [10], [2, 12]])
+@pytest.mark.parametrize("vocab", [10, 100_000])  # renumbered through a (V,) map, and by binary search
+def test_a_loss_that_reads_other_rows_the_second_time_is_refused(second, vocab):
+    model = seqlib.nn.Embedding(vocab, 2, sparse=True)
+    calls = iter([mx.array([1, 2]), mx.array(second)])
     with pytest.raises(RuntimeError, match="second run"):
         seqlib.sparse.value_and_grad(model, lambda m: m(next(calls)).sum())(model)
     assert model.sparse_recording is None and "weight" in model.trainable_parameters()

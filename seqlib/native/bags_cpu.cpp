@@ -5,7 +5,8 @@
 // equally long bags; here each bag's rows are read straight from the table and summed in
 // vector registers, 64 columns at a time, with the rows of the next entries prefetched, since
 // the reads are random and the cost is memory latency.  (Summing into the output row in
-// memory instead cost twice torch's time: a load and a store of it per entry.)  seqlib.functional.embedding_bag calls these where seqlib.native is available.
+// memory instead cost twice torch's time: a load and a store of it per entry.)
+// seqlib.functional.embedding_bag calls these where seqlib.native is available.
 //
 //   EmbeddingBagPool          forward: out[b] = sum / mean / max of weight[indices[i]]
 //                             (times entry_weights[i]) over the entries i of bag b
@@ -24,8 +25,9 @@
 // by the count; built without FMA contraction.
 //
 // Work is split over the CPU's threads (the process's affinity, at most OMP_NUM_THREADS): the
-// forward by bags, the backward by column blocks, each computed whole by one thread, so the
-// result does not depend on the thread count or on which thread took what.
+// forward by bags, the backward's scatter by ranges of table rows, each computed whole by one
+// thread in entry order, so the result does not depend on the thread count or on which thread
+// took what.  Indices and bounds are trusted: seqlib checks them before they come here.
 //
 // Napkin math: the forward reads N D 4 bytes of rows at random and writes B D 4; the backward
 // zeroes V D 4 bytes, then reads B D 4 and adds N D 4 at random.
@@ -102,7 +104,7 @@ void parallel_for(int64_t count, int64_t work, Body body) {
   for (auto& thread : pool) thread.join();
 }
 
-constexpr int kAhead = 16;  // entries whose rows are prefetched ahead of the one being added
+constexpr int kAhead = 16;  // how many entries ahead rows are prefetched (about one bag)
 
 // Every cache line of a row: MLX's CPU buffers need not start on a line, so a 512-byte row can
 // span nine lines, and the one left out would be a full memory miss per row.
@@ -154,7 +156,7 @@ void pool_bag_range(const float* __restrict table, int64_t dim, const int32_t* _
   for (int64_t b = first_bag; b < end_bag; ++b) {
     const int64_t begin = bounds[b], end = bounds[b + 1];
     for (int64_t i = begin + kAhead; i < std::min(end + kAhead, end_entry); ++i) {
-      prefetch(table + indices[i] * dim, dim);  // the rows of the entries kAhead further on
+      prefetch(table + indices[i] * dim, dim);  // the rows of the entries kAhead past this bag's own
     }
     float* out = pooled + b * dim;
     int64_t column = 0;
@@ -196,33 +198,44 @@ void gather(std::vector<mx::array>& ins, std::vector<mx::array>& outs, const Bag
   });
 }
 
+// Max mode: the table row whose value won each column of bags [first_bag, end_bag), by the
+// forward's rule, into winners (B, D); -1 for an empty bag.
+void find_max_winners(const float* __restrict table, int64_t dim, const int32_t* __restrict indices,
+                      const int32_t* __restrict bounds, int32_t padding_idx, int32_t* __restrict winners,
+                      int64_t first_bag, int64_t end_bag) {
+  std::vector<float> best(dim);
+  for (int64_t b = first_bag; b < end_bag; ++b) {
+    int32_t* winner = winners + b * dim;
+    std::fill(winner, winner + dim, -1);
+    int64_t count = 0;
+    for (int64_t i = bounds[b]; i < bounds[b + 1]; ++i) {
+      if (indices[i] == padding_idx) continue;
+      const float* __restrict row = table + indices[i] * dim;
+      for (int64_t d = 0; d < dim; ++d) {
+        const bool wins = count == 0 || row[d] > best[d];
+        best[d] = wins ? row[d] : best[d];
+        winner[d] = wins ? indices[i] : winner[d];
+      }
+      ++count;
+    }
+  }
+}
+
 // The gradient of table rows [first_row, end_row) (the other rows belong to other threads): every
 // counted entry that reads one of them adds its bag's cotangent, times its weight (sum) or
-// divided by the bag's count (mean); in max mode each column's cotangent goes to the entry that
-// won it in the forward, found again here by the same rule.
+// divided by the bag's count (mean); in max mode each column's cotangent goes to the row that
+// won it (winners, from find_max_winners).
 template <int kMode>
-void scatter_row_range(const float* __restrict table, int64_t dim, const int32_t* __restrict indices,
-                       const int32_t* __restrict bounds, int64_t bags, const float* __restrict entry_weights,
-                       int32_t padding_idx, const float* __restrict cotangent, float* __restrict d_table,
-                       int64_t first_row, int64_t end_row) {
-  std::vector<float> best(kMode == kMax ? dim : 0);
-  std::vector<int32_t> winner(kMode == kMax ? dim : 0);
+void scatter_row_range(int64_t dim, const int32_t* __restrict indices, const int32_t* __restrict bounds, int64_t bags,
+                       const float* __restrict entry_weights, int32_t padding_idx, const int32_t* __restrict winners,
+                       const float* __restrict cotangent, float* __restrict d_table, int64_t first_row,
+                       int64_t end_row) {
   const auto mine = [&](int32_t index) { return index >= first_row && index < end_row; };
   for (int64_t b = 0; b < bags; ++b) {
     const float* __restrict grad = cotangent + b * dim;
     if (kMode == kMax) {
-      int64_t count = 0;
-      for (int64_t i = bounds[b]; i < bounds[b + 1]; ++i) {
-        if (indices[i] == padding_idx) continue;
-        const float* __restrict row = table + indices[i] * dim;
-        for (int64_t d = 0; d < dim; ++d) {
-          const bool wins = count == 0 || row[d] > best[d];
-          best[d] = wins ? row[d] : best[d];
-          winner[d] = wins ? indices[i] : winner[d];
-        }
-        ++count;
-      }
-      for (int64_t d = 0; d < dim && count > 0; ++d) {
+      const int32_t* winner = winners + b * dim;
+      for (int64_t d = 0; d < dim; ++d) {
         if (mine(winner[d])) d_table[winner[d] * dim + d] += grad[d];
       }
       continue;
@@ -256,17 +269,24 @@ void pool_backward(std::vector<mx::array>& ins, std::vector<mx::array>& outs, co
   const float* entry_weights = bag.weighted ? ins[4].data<float>() : nullptr;
   float* d_table = outs[0].data<float>();
   const int64_t rows = outs[0].shape(0), dim = outs[0].shape(1), bags = ins[0].shape(0), entries = bounds[bags];
+  if (rows == 0 || dim == 0) return;
 
   parallel_for(rows, rows * dim, [&](int64_t first, int64_t end) {
     std::fill(d_table + first * dim, d_table + end * dim, 0.0f);
   });
+  std::vector<int32_t> winners(bag.mode == kMax ? bags * dim : 0);
+  if (bag.mode == kMax) {
+    parallel_for(bags, entries * dim, [&](int64_t first_bag, int64_t end_bag) {
+      find_max_winners(table, dim, indices, bounds, bag.padding_idx, winners.data(), first_bag, end_bag);
+    });
+  }
   // Row ranges, one at a time per thread: each scans every entry and adds only into its own rows,
   // in entry order, so no two threads write the same float and the sums never depend on them.
   auto scatter = bag.mode == kMax ? scatter_row_range<kMax>
                                   : (bag.mode == kMean ? scatter_row_range<kMean> : scatter_row_range<kSum>);
   const int64_t ranges = std::min<int64_t>(4 * thread_budget(), rows);
   parallel_for(ranges, entries * dim, [&](int64_t first_range, int64_t end_range) {
-    scatter(table, dim, indices, bounds, bags, entry_weights, bag.padding_idx, cotangent, d_table,
+    scatter(dim, indices, bounds, bags, entry_weights, bag.padding_idx, winners.data(), cotangent, d_table,
             rows * first_range / ranges, rows * end_range / ranges);
   });
   if (entry_weights == nullptr) return;
@@ -294,7 +314,8 @@ void check_bag_arrays(const mx::array& weight, const mx::array& indices, const m
   const bool ok = weight.ndim() == 2 && weight.dtype() == mx::float32 && indices.ndim() == 1 &&
                   indices.dtype() == mx::int32 && bounds.ndim() == 1 && bounds.size() >= 1 &&
                   bounds.dtype() == mx::int32 &&
-                  (!entry_weights || (entry_weights->dtype() == mx::float32 && entry_weights->shape() == indices.shape()));
+                  (!entry_weights ||
+                   (entry_weights->dtype() == mx::float32 && entry_weights->shape() == indices.shape()));
   if (!ok) {
     throw std::invalid_argument(
         "bag_pool: expected weight (V, D) float32, indices (N,) int32, bounds (B + 1,) int32 and entry_weights "

@@ -5,7 +5,9 @@
 // outputs.  CpuLoop<Params> wraps a Runner and its parameters as an mlx::core::Primitive: it
 // allocates the outputs, registers the arrays with the CPU stream's command encoder and runs the
 // Runner there, so MLX schedules it like any of its own CPU operations.  make_loop builds the
-// output arrays of one call.
+// output arrays of one call.  mx.vmap runs the loop once per mapped index; gradients are the
+// callers' (an mx.custom_function whose backward is another loop); mx.jvp, second derivatives and
+// gradients of a vmap raise a ValueError that says so.
 #pragma once
 
 #include <sys/mman.h>
@@ -42,8 +44,10 @@ class CpuLoop : public mx::Primitive {
  public:
   using Runner = void (*)(std::vector<mx::array>& ins, std::vector<mx::array>& outs, const Params& params);
 
-  CpuLoop(mx::Stream stream, const char* name, Runner runner, Params params)
-      : mx::Primitive(stream), name_(name), runner_(runner), params_(std::move(params)) {}
+  CpuLoop(mx::Stream stream, const char* name, Runner runner, Params params, std::vector<mx::Shape> shapes,
+          std::vector<mx::Dtype> dtypes)
+      : mx::Primitive(stream), name_(name), runner_(runner), params_(std::move(params)), shapes_(std::move(shapes)),
+        dtypes_(std::move(dtypes)) {}
 
   void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override {
     for (auto& out : outputs) {
@@ -69,15 +73,56 @@ class CpuLoop : public mx::Primitive {
 
   const char* name() const override { return name_; }
 
+  // mx.vmap: the loop once per index of the mapped axis, the results stacked along a new first axis.
+  std::pair<std::vector<mx::array>, std::vector<int>> vmap(const std::vector<mx::array>& inputs,
+                                                           const std::vector<int>& axes) override {
+    int size = 0;
+    for (size_t i = 0; i < inputs.size(); ++i) {
+      if (axes[i] >= 0) size = inputs[i].shape(axes[i]);
+    }
+    std::vector<std::vector<mx::array>> results(shapes_.size());
+    for (int k = 0; k < size; ++k) {
+      std::vector<mx::array> slice;
+      for (size_t i = 0; i < inputs.size(); ++i) {
+        slice.push_back(axes[i] >= 0 ? mx::contiguous(mx::take(inputs[i], k, axes[i], stream()), false, stream())
+                                     : inputs[i]);
+      }
+      auto loop = std::make_shared<CpuLoop>(stream(), name_, runner_, params_, shapes_, dtypes_);
+      auto outputs = mx::array::make_arrays(shapes_, dtypes_, loop, slice);
+      for (size_t j = 0; j < outputs.size(); ++j) results[j].push_back(outputs[j]);
+    }
+    std::vector<mx::array> stacked;
+    for (auto& result : results) stacked.push_back(mx::stack(result, 0, stream()));
+    return {stacked, std::vector<int>(stacked.size(), 0)};
+  }
+
+  std::vector<mx::array> jvp(const std::vector<mx::array>&, const std::vector<mx::array>&,
+                             const std::vector<int>&) override {
+    throw std::invalid_argument(unsupported("mx.jvp"));  // forward mode: not written
+  }
+
+  std::vector<mx::array> vjp(const std::vector<mx::array>&, const std::vector<mx::array>&, const std::vector<int>&,
+                             const std::vector<mx::array>&) override {
+    throw std::invalid_argument(unsupported("A second derivative (or a gradient of mx.vmap)"));
+  }
+
   bool is_equivalent(const mx::Primitive& other) const override {
     auto& o = static_cast<const CpuLoop&>(other);
     return runner_ == o.runner_ && params_ == o.params_;
   }
 
  private:
+  std::string unsupported(const char* what) const {
+    return std::string(what) + " through seqlib's C++ CPU primitive " + name_ +
+           " is not supported (gradients and mx.vmap are, but not their compositions); set SEQLIB_NATIVE=0 "
+           "to run the MLX-ops path, which supports it";
+  }
+
   const char* name_;
   Runner runner_;
   Params params_;
+  std::vector<mx::Shape> shapes_;  // of the outputs, for vmap
+  std::vector<mx::Dtype> dtypes_;
 };
 
 inline mx::Stream cpu_stream() { return mx::default_stream(mx::Device(mx::Device::cpu)); }
@@ -93,7 +138,7 @@ std::vector<mx::array> make_loop(const char* name, typename CpuLoop<Params>::Run
     const bool ready = array->is_available() && array->flags().row_contiguous;
     contiguous.push_back(ready ? *array : mx::contiguous(*array, false, s));
   }
-  auto primitive = std::make_shared<CpuLoop<Params>>(s, name, runner, std::move(params));
+  auto primitive = std::make_shared<CpuLoop<Params>>(s, name, runner, std::move(params), shapes, dtypes);
   return mx::array::make_arrays(std::move(shapes), std::move(dtypes), primitive, contiguous);
 }
 

@@ -31,6 +31,7 @@
 #include <cstring>
 #include <optional>
 #include <stdexcept>
+#include <string>
 #include <vector>
 
 #include <nanobind/nanobind.h>
@@ -367,9 +368,9 @@ std::vector<mx::array> rnn_sequence_backward(const mx::array& w_hh, const mx::ar
 // ----------------------------------------------------------------- one step now, for streaming
 //
 // lstm_step, gru_step and rnn_step run one time step of a cell or of a stack of unidirectional
-// layers at once, outside MLX's graph: they evaluate their arguments, compute, and return evaluated arrays.  A stream of
-// single steps at batch 1 is otherwise dominated by building and scheduling an MLX graph per
-// step.  The arithmetic is the graph path's: the input side as MLX's addmm computes it (the
+// layers at once, outside MLX's graph: they evaluate their arguments, compute, and return
+// evaluated arrays.  A stream of single steps at batch 1 is otherwise dominated by building and
+// scheduling an MLX graph per step.  The arithmetic is the graph path's: the input side as MLX's addmm computes it (the
 // bias, b_ih + b_hh where the layer folds them, copied into the output, then one sgemm adding
 // x W_ih^T), then the same loop as a one-step sequence, so a step gives the same bits.
 
@@ -424,20 +425,54 @@ std::vector<mx::array> step_now(seqlib_cpu::CpuLoop<Loop>::Runner runner, std::v
 using LayerStep = std::vector<mx::array> (*)(const mx::array& rows, const std::vector<mx::array>& states,
                                              const OptionalArray* weights, int option);
 
+// A ValueError in Python unless x (B, D), the states ((B, H) or (L, B, H)) and each layer's w_ih
+// (G H, D_in), w_hh (G H, H), b_ih and b_hh (G H,) or None are float32 and fit together (G gate
+// blocks; D_in is D for the first layer and H after it).  The layers pass them so.
+void check_step_arrays(const mx::array& x, const std::vector<mx::array>& states,
+                       const std::vector<OptionalArray>& weights, int gate_blocks) {
+  const auto fail = [](const std::string& what) { throw std::invalid_argument("step: " + what); };
+  const mx::array& h = states[0];
+  if (x.dtype() != mx::float32 || x.ndim() != 2) fail("expected x (B, D) float32");
+  if (h.ndim() != 2 && h.ndim() != 3) fail("expected states (B, H) or (L, B, H)");
+  const int layers = h.ndim() == 3 ? h.shape(0) : 1, batch = h.shape(-2), hidden = h.shape(-1);
+  for (const auto& state : states) {
+    if (state.dtype() != mx::float32 || state.shape() != h.shape()) fail("expected float32 states of one shape");
+  }
+  if (x.shape(0) != batch) fail("x and the states differ in batch size");
+  if (weights.size() != 4 * static_cast<size_t>(layers)) fail("expected w_ih, w_hh, b_ih, b_hh for each layer");
+  const int gates = gate_blocks * hidden;
+  for (int layer = 0; layer < layers; ++layer) {
+    const OptionalArray* w = &weights[4 * layer];
+    const int input_size = layer == 0 ? x.shape(1) : hidden;
+    if (!w[0] || !w[1]) fail("w_ih and w_hh are required");
+    const auto check = [&](const OptionalArray& weight, mx::Shape shape, const char* name) {
+      if (weight && (weight->dtype() != mx::float32 || weight->shape() != shape)) {
+        fail(std::string(name) + ": wrong shape or dtype");
+      }
+    };
+    check(w[0], {gates, input_size}, "w_ih");
+    check(w[1], {gates, hidden}, "w_hh");
+    check(w[2], {gates}, "b_ih");
+    check(w[3], {gates}, "b_hh");
+  }
+}
+
 // One step of a stack of layers: states are (B, H), or (L, B, H) for L layers; weights hold
 // w_ih, w_hh, b_ih, b_hh (biases None) for each layer in turn.  Returns the last layer's output
 // (B, H) and the new states, in the states' shapes.
-std::vector<mx::array> layers_step(LayerStep layer_step, const mx::array& x, const std::vector<mx::array>& states,
-                                   const std::vector<OptionalArray>& weights, int option) {
+std::vector<mx::array> layers_step(LayerStep layer_step, int gate_blocks, const mx::array& x,
+                                   const std::vector<mx::array>& states, const std::vector<OptionalArray>& weights,
+                                   int option) {
+  check_step_arrays(x, states, weights, gate_blocks);
+  // Work queued on the CPU stream (mx.async_eval) may be running GEMMs: the BLAS shim's thread
+  // setting is process-wide, so let it finish before calling BLAS from this thread.
+  mx::synchronize(seqlib_cpu::cpu_stream());
   const bool stacked = states[0].ndim() == 3;
   const int layers = stacked ? states[0].shape(0) : 1;
-  if (weights.size() != 4 * static_cast<size_t>(layers)) {
-    throw std::invalid_argument("step: expected w_ih, w_hh, b_ih, b_hh for each of the states' layers");
-  }
   std::vector<mx::array> given, finals;
   for (const auto& state : states) {
     given.push_back(evaluated(state));
-    finals.push_back(mx::array(mx::allocator::malloc(state.nbytes()), state.shape(), mx::float32));
+    finals.push_back(mx::array(mx::allocator::malloc(sizeof(float) * state.size()), state.shape(), mx::float32));
   }
   const int batch = given[0].shape(stacked ? 1 : 0), hidden = given[0].shape(stacked ? 2 : 1);
   const size_t layer_floats = static_cast<size_t>(batch) * hidden;
@@ -478,16 +513,16 @@ std::vector<mx::array> rnn_layer_step(const mx::array& rows, const std::vector<m
 
 std::vector<mx::array> lstm_step(const mx::array& x, const mx::array& h0, const mx::array& c0,
                                  const std::vector<OptionalArray>& weights) {
-  return layers_step(lstm_layer_step, x, {h0, c0}, weights, 0);
+  return layers_step(lstm_layer_step, 4, x, {h0, c0}, weights, 0);
 }
 
 std::vector<mx::array> gru_step(const mx::array& x, const mx::array& h0, const std::vector<OptionalArray>& weights) {
-  return layers_step(gru_layer_step, x, {h0}, weights, 0);
+  return layers_step(gru_layer_step, 3, x, {h0}, weights, 0);
 }
 
 std::vector<mx::array> rnn_step(const mx::array& x, const mx::array& h0, const std::vector<OptionalArray>& weights,
                                 bool relu) {
-  return layers_step(rnn_layer_step, x, {h0}, weights, relu ? kRelu : 0);
+  return layers_step(rnn_layer_step, 1, x, {h0}, weights, relu ? kRelu : 0);
 }
 
 }  // namespace

@@ -144,8 +144,9 @@ class _RNNBase(TorchStateDictMixin, nn.Module):
         ``batch_first``) with the time axis dropped, without building a sequence around it.
         Outside ``mx.grad`` (and ``mx.compile``, ``mx.vmap``), in float32 on the CPU where
         :mod:`seqlib.native` is built, the whole stack runs at once in one C++ call and returns
-        evaluated arrays: no MLX graph per step.  Elsewhere each layer is one compiled step
-        (see :mod:`seqlib.scan`).
+        evaluated arrays: no MLX graph per step (in training mode with ``dropout``, one call per
+        layer, with the dropout between them).  Elsewhere, and on the Metal kernels, each layer is
+        one compiled step (see :mod:`seqlib.scan`).
 
         Args:
             input: :math:`x_t`, ``(B, D)``, or ``(D,)`` for one sequence.
