@@ -98,31 +98,22 @@ static volatile int64_t forwarded_calls = 0;
 
 EXPORT int64_t seqlib_blas_shim_calls(void) { return forwarded_calls; }
 
-EXPORT void cblas_sgemm(int order, int trans_a, int trans_b, int m, int n, int k,
-                        float alpha, const float *a, int lda,
-                        const float *b, int ldb, float beta, float *c, int ldc) {
-  __atomic_add_fetch(&forwarded_calls, 1, __ATOMIC_RELAXED);
-  int restore = threads_for((long long)m * n * k);
-  if (is_gemv(order, m, n, k)) {
-    GEMV_PRODUCT(scipy_cblas_sgemv)
-  } else {
-    scipy_cblas_sgemm(order, trans_a, trans_b, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc);
+/* cblas_sgemm and cblas_dgemm: the same forwarding for float and double (GEMV for one row or column). */
+#define REAL_GEMM(name, type, gemm, gemv)                                                               \
+  EXPORT void name(int order, int trans_a, int trans_b, int m, int n, int k, type alpha, const type *a,  \
+                   int lda, const type *b, int ldb, type beta, type *c, int ldc) {                       \
+    __atomic_add_fetch(&forwarded_calls, 1, __ATOMIC_RELAXED);                                           \
+    int restore = threads_for((long long)m * n * k);                                                     \
+    if (is_gemv(order, m, n, k)) {                                                                       \
+      GEMV_PRODUCT(gemv)                                                                                 \
+    } else {                                                                                             \
+      gemm(order, trans_a, trans_b, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc);                       \
+    }                                                                                                    \
+    restore_threads(restore);                                                                            \
   }
-  restore_threads(restore);
-}
 
-EXPORT void cblas_dgemm(int order, int trans_a, int trans_b, int m, int n, int k,
-                        double alpha, const double *a, int lda,
-                        const double *b, int ldb, double beta, double *c, int ldc) {
-  __atomic_add_fetch(&forwarded_calls, 1, __ATOMIC_RELAXED);
-  int restore = threads_for((long long)m * n * k);
-  if (is_gemv(order, m, n, k)) {
-    GEMV_PRODUCT(scipy_cblas_dgemv)
-  } else {
-    scipy_cblas_dgemm(order, trans_a, trans_b, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc);
-  }
-  restore_threads(restore);
-}
+REAL_GEMM(cblas_sgemm, float, scipy_cblas_sgemm, scipy_cblas_sgemv)
+REAL_GEMM(cblas_dgemm, double, scipy_cblas_dgemm, scipy_cblas_dgemv)
 
 EXPORT void cblas_cgemm(int order, int trans_a, int trans_b, int m, int n, int k,
                         const void *alpha, const void *a, int lda,

@@ -39,9 +39,7 @@ def _kernels_serve(weight: mx.array) -> bool:
 
 def _native_serves(weight: mx.array, indices: mx.array) -> bool:
     """Whether a bag over ``weight`` pools in seqlib.native's C++ primitive (float32, int32-sized, built here)."""
-    if weight.dtype != mx.float32 or max(weight.shape[0], indices.size) >= 2**31 or mx.default_device() != mx.cpu:
-        return False
-    return native.available()
+    return max(weight.shape[0], indices.size) < 2**31 and native.serves(weight.dtype)
 
 
 def _native_pool(weight, indices, bounds, mode, entry_weights, padding_idx) -> mx.array:

@@ -292,7 +292,7 @@ def lstm_sequence(x_gates, w_hh, h0, c0, batch_sizes, reverse=False, w_hr=None):
     use_kernels = kernels.uses_kernels()
     projection = () if w_hr is None else (w_hr,)
     traced = is_traced(x_gates, w_hh, h0, c0, *projection)
-    if not use_kernels and w_hr is None and x_gates.dtype == mx.float32 and native.available():
+    if w_hr is None and native.serves(x_gates.dtype):
         if not traced:  # inference: the forward alone, nothing saved
             extension = native.extension()
             return tuple(extension.lstm_sequence(x_gates, w_hh, h0, c0, list(batch_sizes), bool(reverse), False))
@@ -360,7 +360,7 @@ def gru_sequence(x_gates, w_hh, b_hh, h0, batch_sizes, reverse=False):
     batch_sizes = check_batch_sizes(batch_sizes, x_gates.shape[0], batch, rows_name="x_gates")
     use_kernels = kernels.uses_kernels()
     traced = is_traced(x_gates, w_hh, b_hh, h0)
-    if not use_kernels and h0.dtype == mx.float32 and native.available():
+    if native.serves(h0.dtype):
         if not traced:
             extension = native.extension()
             return tuple(extension.gru_sequence(x_gates, w_hh, b_hh, h0, list(batch_sizes), bool(reverse), False))
@@ -419,7 +419,7 @@ def rnn_sequence(x_gates, w_hh, h0, batch_sizes, reverse=False, nonlinearity="ta
     batch_sizes = check_batch_sizes(batch_sizes, x_gates.shape[0], batch, rows_name="x_gates")
     use_kernels = kernels.uses_kernels()
     traced = is_traced(x_gates, w_hh, h0)
-    if not use_kernels and h0.dtype == mx.float32 and native.available():
+    if native.serves(h0.dtype):
         relu = nonlinearity == "relu"
         if not traced:
             extension = native.extension()

@@ -32,7 +32,6 @@ import numpy as np
 from mlx.utils import tree_flatten, tree_unflatten
 
 from seqlib import native
-from seqlib.kernels.runtime import uses_kernels
 from seqlib._checks import as_index_array, check_float_array, check_index_range, check_nonnegative_ints, check_weight
 from seqlib._torch_arrays import to_mlx_array
 
@@ -296,6 +295,6 @@ def _gather_rows(weight: mx.array, unique: np.ndarray) -> mx.array:
     if unique.size == 0:  # MLX cannot differentiate a lookup into a (0, D) array; this row's gradient is dropped
         return mx.zeros((1, weight.shape[1]), weight.dtype)
     rows = mx.array(unique.astype(np.int32))
-    if weight.dtype == mx.float32 and not uses_kernels() and native.available():
+    if native.serves(weight.dtype):
         return native.extension().take_rows(weight, rows)  # MLX's CPU gather moves a float in about 4 ns
     return mx.take(weight, rows, axis=0)

@@ -37,7 +37,7 @@ import sysconfig
 import warnings
 from pathlib import Path
 
-__all__ = ["ENV_VAR", "NativeWarning", "available", "extension", "reason"]
+__all__ = ["ENV_VAR", "NativeWarning", "available", "extension", "reason", "serves"]
 
 #: The environment variable that turns the primitives off (SEQLIB_NATIVE=0).
 ENV_VAR = "SEQLIB_NATIVE"
@@ -174,3 +174,15 @@ def reason() -> str:
     """One sentence on why the primitives are or are not available."""
     extension()
     return _state["reason"]
+
+
+def serves(dtype) -> bool:
+    """Whether the primitives run an operation on arrays of ``dtype`` here: float32, on MLX's CPU
+    device, with seqlib's Metal kernels not in use (:func:`seqlib.kernels.uses_kernels`), and
+    :func:`available`.  Every caller in seqlib asks this one question before taking its native path.
+    """
+    import mlx.core as mx
+
+    from seqlib.kernels.runtime import uses_kernels
+
+    return dtype == mx.float32 and mx.default_device() == mx.cpu and not uses_kernels() and available()

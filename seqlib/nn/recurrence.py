@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import mlx.core as mx
 
-from seqlib import kernels, native, scan
+from seqlib import native, scan
 from seqlib.pointwise import is_traced
 
 __all__ = ["GRURecurrence", "LSTMRecurrence", "RNNRecurrence", "Recurrence"]
@@ -42,9 +42,7 @@ class Recurrence:
         At once: float32 on the CPU with the C++ primitives built, no Metal kernels, no projection, and
         nothing traced (no gradient to take, not under ``mx.compile`` or ``mx.vmap``).
         """
-        if rows.dtype != mx.float32 or getattr(self, "proj_size", 0) or not native.available():
-            return None
-        if kernels.uses_kernels() or mx.default_device() != mx.cpu:
+        if getattr(self, "proj_size", 0) or not native.serves(rows.dtype):
             return None
         names = ("weight_ih", "weight_hh", "bias_ih", "bias_hh") if self.bias else ("weight_ih", "weight_hh")
         weights = []
