@@ -12,9 +12,12 @@ _route_mlx_blas()  # best before anything below imports mlx.core (else it rebind
 from seqlib import (  # noqa: E402
     activations,
     data,
+    dispatch,
     distributed,
     emulation,
+    export,
     functional,
+    graph,
     interop,
     kernels,
     native,
@@ -26,6 +29,7 @@ from seqlib import (  # noqa: E402
     sparse,
 )
 from seqlib._blas import BlasRoutingWarning, BlasStatus  # noqa: E402
+from seqlib.export import export_function  # noqa: E402
 from seqlib.interop import from_torch  # noqa: E402
 from seqlib.nn import Embedding, EmbeddingBag  # noqa: E402
 from seqlib.sparse import SparseGradient  # noqa: E402
@@ -50,10 +54,14 @@ __all__ = [
     "activations",
     "blas_status",
     "data",
+    "dispatch",
     "distributed",
     "emulation",
+    "export",
+    "export_function",
     "from_torch",
     "functional",
+    "graph",
     "interop",
     "kernels",
     "native",

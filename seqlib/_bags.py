@@ -20,6 +20,7 @@ import mlx.core as mx
 import numpy as np
 
 from seqlib._checks import as_index_array
+from seqlib.graph import host_values
 
 
 BAG_MODES = ("sum", "mean", "max")  # how a bag's rows are pooled (the kernels' BagMode, in this order)
@@ -92,10 +93,11 @@ def flatten_bags(input, offsets, per_sample_weights, include_last_offset: bool):
                 f"offsets: must be None when input is 2-D (each row is one bag), got {type(offsets).__name__}"
             )
         num_bags, bag_size = indices.shape
-        offsets = mx.arange(0, num_bags * bag_size, bag_size) if bag_size else mx.zeros(num_bags, mx.int32)
+        offsets = mx.array(np.arange(num_bags, dtype=np.int32) * bag_size)  # made from data: known on the host
         if per_sample_weights is not None:
             per_sample_weights = per_sample_weights.reshape(-1)
-        indices = indices.reshape(-1)
+        values = host_values(indices)  # a NumPy reshape keeps values known on the host known there
+        indices = indices.reshape(-1) if values is None else mx.array(values.reshape(-1))
         include_last_offset = False
     elif indices.ndim == 1:
         if offsets is None:

@@ -29,13 +29,13 @@ import mlx.core as mx
 from seqlib import kernels
 from seqlib._checks import check_choice, check_float_array, check_state
 from seqlib.activations import fast_tanh
+from seqlib.graph import is_traced
 
 __all__ = [
     "gate_path",
     "gru_pointwise",
     "gru_pointwise_backward",
     "gru_step",
-    "is_traced",
     "lstm_pointwise",
     "lstm_pointwise_backward",
     "lstm_step",
@@ -53,37 +53,6 @@ def _compile(function):
 
 
 # ----------------------------------------------------------------- where the gate math runs
-
-
-_compiled_traces = 0
-
-
-def _count_traces(*arrays):
-    global _compiled_traces
-    _compiled_traces += 1
-    return arrays[0]
-
-
-_traces_probe = mx.compile(_count_traces, shapeless=True) if _compile(_count_traces) is not _count_traces else None
-
-
-def is_traced(*arrays: mx.array) -> bool:
-    """Whether any of ``arrays`` is being traced by an MLX transformation (``mx.grad``, ``mx.vjp``,
-    ``mx.vmap``, ``mx.compile``), so that a gradient may be taken through what is computed from it.
-
-    One shapeless compiled probe takes them all: it is traced again on every call while one of its
-    inputs is a tracer, and otherwise only on the first call with new dtypes or numbers of dimensions
-    (then a second call tells).  Also True where ``mx.compile`` cannot run: callers then take the
-    path that serves every case.
-    """
-    if _traces_probe is None:
-        return True
-    for _ in range(2):
-        before = _compiled_traces
-        _traces_probe(*arrays)
-        if _compiled_traces == before:
-            return False
-    return True
 
 
 def _sigmoid(tanh, x):
@@ -120,17 +89,20 @@ def _lstm_step(x_gates, h_prev, c_prev, w_hh, scale, shift):
 _lstm_step_compiled = _compile(_lstm_step)
 
 
-def lstm_step(x_gates: mx.array, h_prev: mx.array, c_prev: mx.array, w_hh: mx.array):
+def lstm_step(x_gates: mx.array, h_prev: mx.array, c_prev: mx.array, w_hh: mx.array, plain: bool = False):
     """One LSTM step for inference, the recurrent matmul and the gate math compiled into one call.
 
     ``gates = x_gates + h_prev @ w_hh.T``, then :func:`lstm_pointwise`'s math; returns
     ``h (B, H), c (B, H)`` and saves nothing for a backward.  x_gates: (B, 4H) the input side
     ``x @ W_ih.T + b_ih + b_hh``; h_prev: (B, P); c_prev: (B, H); w_hh: (4H, P).  Arguments are
     not checked: callers (:mod:`seqlib.scan`, the layers' ``step``) have checked them.  Under
-    a transformation (:func:`is_traced`) use the sequence functions of :mod:`seqlib.scan`, whose
-    backward is written by hand.
+    a transformation (:func:`seqlib.graph.is_traced`) use the sequence functions of :mod:`seqlib.scan`, whose
+    backward is written by hand.  ``plain``: MLX's built-in ops with ``mx.tanh``, uncompiled (the
+    ``"plain"`` path of :mod:`seqlib.dispatch`: exportable, differentiable by MLX's autodiff).
     """
     scale, shift = _lstm_activation_constants(c_prev.shape[-1], c_prev.dtype)
+    if plain:
+        return _lstm_pointwise(mx.tanh, mx.addmm(x_gates, h_prev, w_hh.T), c_prev, scale, shift)[:2]
     return _lstm_step_compiled(x_gates, h_prev, c_prev, w_hh, scale, shift)
 
 
@@ -221,13 +193,15 @@ def _gru_step(x_gates, h_prev, w_hh, b_hh):
     return _gru_pointwise(fast_tanh, x_gates, hidden_side, h_prev)[0]
 
 
-def gru_step(x_gates: mx.array, h_prev: mx.array, w_hh: mx.array, b_hh: mx.array) -> mx.array:
+def gru_step(x_gates: mx.array, h_prev: mx.array, w_hh: mx.array, b_hh: mx.array, plain: bool = False) -> mx.array:
     """One GRU step for inference, compiled into one call: the new ``h (B, H)``, nothing saved.
 
     ``hidden_side = h_prev @ w_hh.T + b_hh``, then :func:`gru_pointwise`'s math.  x_gates: (B, 3H)
     the input side ``x @ W_ih.T + b_ih``; h_prev: (B, H); w_hh: (3H, H); b_hh: (3H,).  Not checked,
-    and not for use under a transformation, as :func:`lstm_step`.
+    and not for use under a transformation, as :func:`lstm_step`; ``plain`` as there.
     """
+    if plain:
+        return _gru_pointwise(mx.tanh, x_gates, mx.addmm(b_hh, h_prev, w_hh.T), h_prev)[0]
     return _gru_step(x_gates, h_prev, w_hh, b_hh)
 
 
@@ -315,12 +289,15 @@ def _rnn_relu_step(x_gates, h_prev, w_hh):
     return mx.maximum(mx.addmm(x_gates, h_prev, w_hh.T), 0)
 
 
-def rnn_step(x_gates: mx.array, h_prev: mx.array, w_hh: mx.array, nonlinearity: str = "tanh") -> mx.array:
+def rnn_step(x_gates: mx.array, h_prev: mx.array, w_hh: mx.array, nonlinearity: str = "tanh",
+             plain: bool = False) -> mx.array:  # fmt: skip
     """One Elman RNN step for inference, compiled into one call: ``act(x_gates + h_prev @ w_hh.T)``.
 
     x_gates: (B, H) the input side ``x @ W_ih.T + b_ih + b_hh``; h_prev: (B, H); w_hh: (H, H).
-    Not checked, and not for use under a transformation, as :func:`lstm_step`.
+    Not checked, and not for use under a transformation, as :func:`lstm_step`; ``plain`` as there.
     """
+    if plain:
+        return rnn_activation_on("eager", nonlinearity, mx.addmm(x_gates, h_prev, w_hh.T))
     step = _rnn_tanh_step if nonlinearity == "tanh" else _rnn_relu_step
     return step(x_gates, h_prev, w_hh)
 

@@ -52,12 +52,13 @@ import mlx.core as mx
 
 from seqlib import kernels, native
 from seqlib._checks import check_batch_sizes, check_choice, check_float_array, check_state
+from seqlib.dispatch import path_for
+from seqlib.graph import is_traced
 from seqlib.pointwise import (
     gate_path,
     gru_backward_on,
     gru_pointwise_on,
     gru_step,
-    is_traced,
     lstm_backward_on,
     lstm_pointwise_on,
     lstm_step,
@@ -114,16 +115,17 @@ def _use_whole_sequence_kernel(use_kernels: bool, batch: int, hidden_size: int) 
 
 # ----------------------------------------------------------------- inference: the forward alone
 #
-# When no transformation traces the arguments (pointwise.is_traced), no gradient can be taken
+# When no transformation traces the arguments (seqlib.graph.is_traced), no gradient can be taken
 # through the result: the loops below run one compiled step per time step and save nothing,
-# with no custom function around them.
+# with no custom function around them.  On the "plain" path (seqlib.dispatch) the same loops run
+# MLX's built-in ops, uncompiled, traced or not: MLX's autodiff then differentiates them.
 
 
-def _lstm_inference(x_gates, w_hh, h0, c0, steps, w_hr):
+def _lstm_inference(x_gates, w_hh, h0, c0, steps, w_hr, plain=False):
     h, c = h0, c0
     outputs = [None] * len(steps)
     for t, first, rows in steps:
-        h_new, c_new = lstm_step(x_gates[first:first + rows], _first_rows(h, rows), _first_rows(c, rows), w_hh)
+        h_new, c_new = lstm_step(x_gates[first:first + rows], _first_rows(h, rows), _first_rows(c, rows), w_hh, plain)
         if w_hr is not None:
             h_new = h_new @ w_hr.T
         outputs[t] = h_new
@@ -131,20 +133,20 @@ def _lstm_inference(x_gates, w_hh, h0, c0, steps, w_hr):
     return _in_time_order(outputs), h, c
 
 
-def _gru_inference(x_gates, w_hh, b_hh, h0, steps):
+def _gru_inference(x_gates, w_hh, b_hh, h0, steps, plain=False):
     h = h0
     outputs = [None] * len(steps)
     for t, first, rows in steps:
-        outputs[t] = gru_step(x_gates[first:first + rows], _first_rows(h, rows), w_hh, b_hh)
+        outputs[t] = gru_step(x_gates[first:first + rows], _first_rows(h, rows), w_hh, b_hh, plain)
         h = _update(h, outputs[t])
     return _in_time_order(outputs), h
 
 
-def _rnn_inference(x_gates, w_hh, h0, steps, nonlinearity):
+def _rnn_inference(x_gates, w_hh, h0, steps, nonlinearity, plain=False):
     h = h0
     outputs = [None] * len(steps)
     for t, first, rows in steps:
-        outputs[t] = rnn_step(x_gates[first:first + rows], _first_rows(h, rows), w_hh, nonlinearity)
+        outputs[t] = rnn_step(x_gates[first:first + rows], _first_rows(h, rows), w_hh, nonlinearity, plain)
         h = _update(h, outputs[t])
     return _in_time_order(outputs), h
 
@@ -289,17 +291,19 @@ def lstm_sequence(x_gates, w_hh, h0, c0, batch_sizes, reverse=False, w_hr=None):
     projected LSTM (``proj_size = P``), else None.
     """
     batch_sizes = _check_lstm_sequence(x_gates, w_hh, h0, c0, batch_sizes, w_hr)
-    use_kernels = kernels.uses_kernels()
+    path, reverse = path_for(x_gates.dtype), bool(reverse)
     projection = () if w_hr is None else (w_hr,)
+    if path == "plain":
+        return _lstm_inference(x_gates, w_hh, h0, c0, _steps(batch_sizes, reverse), w_hr, plain=True)
     traced = is_traced(x_gates, w_hh, h0, c0, *projection)
-    if w_hr is None and native.serves(x_gates.dtype):
+    if path == "native" and w_hr is None:
+        extension = native.extension()
         if not traced:  # inference: the forward alone, nothing saved
-            extension = native.extension()
-            return tuple(extension.lstm_sequence(x_gates, w_hh, h0, c0, list(batch_sizes), bool(reverse), False))
-        return _native_lstm_function(batch_sizes, bool(reverse))(x_gates, w_hh, h0, c0)[:3]
-    if not use_kernels and not traced:
-        return _lstm_inference(x_gates, w_hh, h0, c0, _steps(batch_sizes, bool(reverse)), w_hr)
-    function = _lstm_sequence_function(batch_sizes, bool(reverse), w_hr is not None, use_kernels)
+            return tuple(extension.lstm_sequence(x_gates, w_hh, h0, c0, list(batch_sizes), reverse, False))
+        return _native_lstm_function(batch_sizes, reverse)(x_gates, w_hh, h0, c0)[:3]
+    if path != "kernels" and not traced:
+        return _lstm_inference(x_gates, w_hh, h0, c0, _steps(batch_sizes, reverse), w_hr)
+    function = _lstm_sequence_function(batch_sizes, reverse, w_hr is not None, path == "kernels")
     output, h_n, c_n = function(x_gates, w_hh, h0, c0, *projection)[:3]
     return output, h_n, c_n
 
@@ -358,16 +362,18 @@ def gru_sequence(x_gates, w_hh, b_hh, h0, batch_sizes, reverse=False):
     check_float_array(w_hh, "w_hh", (3 * hidden_size, hidden_size), h0.dtype)
     check_float_array(b_hh, "b_hh", (3 * hidden_size,), h0.dtype)
     batch_sizes = check_batch_sizes(batch_sizes, x_gates.shape[0], batch, rows_name="x_gates")
-    use_kernels = kernels.uses_kernels()
+    path, reverse = path_for(h0.dtype), bool(reverse)
+    if path == "plain":
+        return _gru_inference(x_gates, w_hh, b_hh, h0, _steps(batch_sizes, reverse), plain=True)
     traced = is_traced(x_gates, w_hh, b_hh, h0)
-    if native.serves(h0.dtype):
+    if path == "native":
         if not traced:
             extension = native.extension()
-            return tuple(extension.gru_sequence(x_gates, w_hh, b_hh, h0, list(batch_sizes), bool(reverse), False))
-        return _native_gru_function(batch_sizes, bool(reverse))(x_gates, w_hh, b_hh, h0)[:2]
-    if not use_kernels and not traced:
-        return _gru_inference(x_gates, w_hh, b_hh, h0, _steps(batch_sizes, bool(reverse)))
-    function = _gru_sequence_function(batch_sizes, bool(reverse), use_kernels)
+            return tuple(extension.gru_sequence(x_gates, w_hh, b_hh, h0, list(batch_sizes), reverse, False))
+        return _native_gru_function(batch_sizes, reverse)(x_gates, w_hh, b_hh, h0)[:2]
+    if path != "kernels" and not traced:
+        return _gru_inference(x_gates, w_hh, b_hh, h0, _steps(batch_sizes, reverse))
+    function = _gru_sequence_function(batch_sizes, reverse, path == "kernels")
     output, h_n = function(x_gates, w_hh, b_hh, h0)[:2]
     return output, h_n
 
@@ -417,16 +423,18 @@ def rnn_sequence(x_gates, w_hh, h0, batch_sizes, reverse=False, nonlinearity="ta
     check_float_array(x_gates, "x_gates", (None, hidden_size), h0.dtype)
     check_float_array(w_hh, "w_hh", (hidden_size, hidden_size), h0.dtype)
     batch_sizes = check_batch_sizes(batch_sizes, x_gates.shape[0], batch, rows_name="x_gates")
-    use_kernels = kernels.uses_kernels()
+    path, reverse = path_for(h0.dtype), bool(reverse)
+    if path == "plain":
+        return _rnn_inference(x_gates, w_hh, h0, _steps(batch_sizes, reverse), nonlinearity, plain=True)
     traced = is_traced(x_gates, w_hh, h0)
-    if native.serves(h0.dtype):
+    if path == "native":
         relu = nonlinearity == "relu"
         if not traced:
             extension = native.extension()
-            return tuple(extension.rnn_sequence(x_gates, w_hh, h0, list(batch_sizes), bool(reverse), relu, False))
-        return _native_rnn_function(batch_sizes, bool(reverse), relu)(x_gates, w_hh, h0)[:2]
-    if not use_kernels and not traced:
-        return _rnn_inference(x_gates, w_hh, h0, _steps(batch_sizes, bool(reverse)), nonlinearity)
-    function = _rnn_sequence_function(batch_sizes, bool(reverse), nonlinearity, use_kernels)
+            return tuple(extension.rnn_sequence(x_gates, w_hh, h0, list(batch_sizes), reverse, relu, False))
+        return _native_rnn_function(batch_sizes, reverse, relu)(x_gates, w_hh, h0)[:2]
+    if path != "kernels" and not traced:
+        return _rnn_inference(x_gates, w_hh, h0, _steps(batch_sizes, reverse), nonlinearity)
+    function = _rnn_sequence_function(batch_sizes, reverse, nonlinearity, path == "kernels")
     output, h_n = function(x_gates, w_hh, h0)[:2]
     return output, h_n

@@ -1024,13 +1024,20 @@ def from_pretrained(kind, embeddings, kwargs):
     (np.ones((3, 2, 1), np.float32), {}, ValueError, ["embeddings", "2-D", "(3, 2, 1)"]),
     (np.array(1.0, np.float32), {}, ValueError, ["embeddings", "2-D", "()"]),
     (("raw", [[1.0, 2.0]]), {}, TypeError, ["embeddings", "list"]),
-    (("raw", np.ones((2, 2), np.float32)), {}, TypeError, ["embeddings", "ndarray"]),
     (np.ones((2, 2), np.int64), {}, TypeError, ["embeddings", "int64"]),  # torch takes integer tables: deviation
     (np.ones((2, 2), np.float32), {"padding_idx": 2}, ValueError, ["padding_idx", "2"]),
     (np.ones((2, 2), np.float32), {"max_norm": -1}, ValueError, ["max_norm", "-1"]),
 ])  # fmt: skip
 def test_from_pretrained_refuses_bad_tables_and_options(kind, embeddings, kwargs, error, words):
     assert_clear_error(run_isolated(from_pretrained, kind, embeddings, kwargs), *words, allowed=(error,))
+
+
+@pytest.mark.parametrize("kind", ["Embedding", "EmbeddingBag"])
+def test_from_pretrained_takes_a_numpy_table_as_load_torch_state_dict_does(kind):
+    table = np.arange(6, dtype=np.float32).reshape(3, 2)
+    module = getattr(seqlib.nn, kind).from_pretrained(table)
+    assert isinstance(module.weight, mx.array) and module.weight.dtype == mx.float32
+    np.testing.assert_array_equal(np.array(module.weight), table)
 
 
 @pytest.mark.parametrize("kind", ["Embedding", "EmbeddingBag"])

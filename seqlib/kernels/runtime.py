@@ -12,7 +12,12 @@ Backends (``SEQLIB_BACKEND`` or :func:`use_backend`):
   and run on the CPU, on any machine with a C++ compiler (slow: for learning and testing);
 - ``"ops"``: plain MLX ops (:mod:`seqlib.pointwise`, :mod:`seqlib.scan`,
   :mod:`seqlib.functional`), same numbers within float32 rounding;
+- ``"plain"``: MLX's built-in primitives only (no seqlib C++ primitive, kernel, custom
+  function or compiled function inside), the path :func:`seqlib.export_function` takes,
+  since ``mx.export_function`` serialises only MLX's own primitives;
 - ``"auto"`` (the default): ``"metal"`` where Metal is available, else ``"ops"``.
+
+Which implementation then runs a given call is decided in one place, :mod:`seqlib.dispatch`.
 """
 
 from __future__ import annotations
@@ -97,8 +102,9 @@ def kernel_header() -> str:
 #: The environment variable that picks the backend for the whole process (one of :data:`BACKENDS`).
 BACKEND_ENV = "SEQLIB_BACKEND"
 #: The backend names. ``"metal"`` runs the kernels on the GPU, ``"emulate"`` on the CPU (through
-#: :mod:`seqlib.emulation`), ``"ops"`` uses MLX ops only, ``"auto"`` is ``"metal"`` with Metal, else ``"ops"``.
-BACKENDS = ("auto", "metal", "emulate", "ops")
+#: :mod:`seqlib.emulation`), ``"ops"`` uses MLX ops (and seqlib's C++ CPU primitives where they serve),
+#: ``"plain"`` MLX's built-in primitives only, ``"auto"`` is ``"metal"`` with Metal, else ``"ops"``.
+BACKENDS = ("auto", "metal", "emulate", "ops", "plain")
 _override: list[str] = []  # innermost use_backend() last
 
 
@@ -115,7 +121,7 @@ def _requested() -> str:
 
 
 def backend() -> str:
-    """``"metal"``, ``"emulate"`` or ``"ops"``: the path seqlib's modules take now."""
+    """``"metal"``, ``"emulate"``, ``"ops"`` or ``"plain"``: the path seqlib's modules take now."""
     choice = _requested()
     if choice == "auto":
         return "metal" if metal_available() else "ops"
@@ -129,12 +135,12 @@ def backend() -> str:
 
 def uses_kernels() -> bool:
     """Whether seqlib's modules run the Metal kernels now (on the GPU or emulated)."""
-    return backend() != "ops"
+    return backend() in ("metal", "emulate")
 
 
 @contextlib.contextmanager
 def use_backend(name: str):
-    """Run the block with seqlib's modules on ``"metal"``, ``"emulate"``, ``"ops"`` or ``"auto"``."""
+    """Run the block with seqlib's modules on ``"metal"``, ``"emulate"``, ``"ops"``, ``"plain"`` or ``"auto"``."""
     if name not in BACKENDS:
         raise ValueError(f"name: expected one of {BACKENDS}, got {name!r}")
     _override.append(name)

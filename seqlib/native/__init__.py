@@ -37,12 +37,13 @@ import sysconfig
 import warnings
 from pathlib import Path
 
-__all__ = ["ENV_VAR", "NativeWarning", "available", "extension", "reason", "serves"]
+__all__ = ["ENV_VAR", "NativeWarning", "available", "extension", "module", "reason", "serves"]
 
 #: The environment variable that turns the primitives off (SEQLIB_NATIVE=0).
 ENV_VAR = "SEQLIB_NATIVE"
 #: The C++ sources, compiled into one module (module.cpp binds the others' operations).
-SOURCES = tuple(Path(__file__).with_name(name) for name in ("module.cpp", "recurrent_cpu.cpp", "bags_cpu.cpp"))
+SOURCES = tuple(Path(__file__).with_name(name)
+                for name in ("module.cpp", "recurrent_cpu.cpp", "bags_cpu.cpp", "checks_cpu.cpp"))  # fmt: skip
 HEADER = Path(__file__).with_name("cpu_loop.h")
 _MODULE = "_seqlib_cpu"
 
@@ -140,29 +141,48 @@ def _self_check(module) -> None:
         raise ValueError(f"the bag pooling differs from the MLX-ops path by {error:.1e}")
 
 
-def extension():
-    """The loaded extension module, or None where the MLX-ops path must run (see :func:`reason`)."""
-    if "module" in _state:
-        return _state["module"]
-    module, why = None, ""
-    if os.environ.get(ENV_VAR, "1").strip().lower() in {"0", "off", "false", "no"}:
-        why = f"turned off by {ENV_VAR}={os.environ[ENV_VAR]}"
-    elif sys.platform != "linux":
+def module():
+    """The loaded extension module, whether or not its primitives are in use (``SEQLIB_NATIVE=0`` leaves
+    :mod:`seqlib.graph`'s introspection on), or None where it cannot be built or loaded (see :func:`reason`)."""
+    if "loaded" in _state:
+        return _state["loaded"]
+    loaded, why = None, ""
+    if sys.platform != "linux":
         why = "not Linux: MLX runs seqlib's Metal kernels or its own CPU code there"
     else:
         try:
             from seqlib._blas import cache_dir
 
-            module = _load(_build(cache_dir()))
-            _self_check(module)
-            why = "built and checked against the MLX-ops path"
+            loaded = _load(_build(cache_dir()))
         except (ImportError, OSError, ValueError, TypeError, RuntimeError, subprocess.CalledProcessError) as error:
             detail = (getattr(error, "stderr", b"") or b"").decode(errors="replace")[-300:]
-            module, why = None, f"{type(error).__name__}: {error} {detail}".strip()
+            why = f"{type(error).__name__}: {error} {detail}".strip()
             warnings.warn(f"seqlib: the C++ CPU primitives are not available ({why}); the MLX-ops path runs "
                           f"(set {ENV_VAR}=0 to silence)", NativeWarning, stacklevel=3)  # fmt: skip
-    _state.update(module=module, reason=why)
-    return module
+    _state.update(loaded=loaded, load_reason=why)
+    return loaded
+
+
+def extension():
+    """The loaded extension module where its primitives run, or None where the MLX-ops path must run
+    (see :func:`reason`)."""
+    if "module" in _state:
+        return _state["module"]
+    found, why = None, ""
+    if os.environ.get(ENV_VAR, "1").strip().lower() in {"0", "off", "false", "no"}:
+        why = f"turned off by {ENV_VAR}={os.environ[ENV_VAR]}"
+    elif module() is None:
+        why = _state["load_reason"]
+    else:
+        try:
+            _self_check(module())
+            found, why = module(), "built and checked against the MLX-ops path"
+        except (ValueError, TypeError, RuntimeError) as error:
+            why = f"{type(error).__name__}: {error}"
+            warnings.warn(f"seqlib: the C++ CPU primitives failed their check ({why}); the MLX-ops path runs "
+                          f"(set {ENV_VAR}=0 to silence)", NativeWarning, stacklevel=3)  # fmt: skip
+    _state.update(module=found, reason=why)
+    return found
 
 
 def available() -> bool:
@@ -178,11 +198,11 @@ def reason() -> str:
 
 def serves(dtype) -> bool:
     """Whether the primitives run an operation on arrays of ``dtype`` here: float32, on MLX's CPU
-    device, with seqlib's Metal kernels not in use (:func:`seqlib.kernels.uses_kernels`), and
-    :func:`available`.  Every caller in seqlib asks this one question before taking its native path.
+    device, on the ``"ops"`` backend (no Metal kernels, not ``"plain"``: see :mod:`seqlib.kernels`), and
+    :func:`available`.  :mod:`seqlib.dispatch` asks it for its ``"native"`` path.
     """
     import mlx.core as mx
 
-    from seqlib.kernels.runtime import uses_kernels
+    from seqlib.kernels.runtime import backend
 
-    return dtype == mx.float32 and mx.default_device() == mx.cpu and not uses_kernels() and available()
+    return dtype == mx.float32 and mx.default_device() == mx.cpu and backend() == "ops" and available()

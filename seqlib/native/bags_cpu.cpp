@@ -27,7 +27,7 @@
 // Work is split over the CPU's threads (the process's affinity, at most OMP_NUM_THREADS): the
 // forward by bags, the backward's scatter by ranges of table rows, each computed whole by one
 // thread in entry order, so the result does not depend on the thread count or on which thread
-// took what.  Indices and bounds are trusted: seqlib checks them before they come here.
+// took what.  Indices and bounds are checked once more before any row is read (check_layout).
 //
 // Napkin math: the forward reads N D 4 bytes of rows at random and writes B D 4; the backward
 // zeroes V D 4 bytes, then reads B D 4 and adds N D 4 at random.
@@ -41,6 +41,7 @@
 #include <cstring>
 #include <optional>
 #include <stdexcept>
+#include <string>
 #include <thread>
 #include <vector>
 
@@ -64,6 +65,29 @@ struct Bag {
   bool weighted;    // entry_weights given
   bool operator==(const Bag&) const = default;
 };
+
+// The loops below trust indices and bounds: the Python callers check them first (on the host, or
+// in seqlib's CheckedIndices/CheckedBounds primitives).  This is the last line for a direct call
+// of the bindings: one pass over the layout before any row is read, throwing where it would read or
+// write out of bounds.  It costs O(N + B) against the loops' O(N D).
+void check_layout(const mx::array& indices, const mx::array* bounds, int64_t rows) {
+  const int32_t* index = indices.data<int32_t>();
+  for (size_t i = 0; i < indices.size(); ++i) {
+    if (index[i] < 0 || index[i] >= rows) {
+      throw std::out_of_range("indices: every index must lie in [0, " + std::to_string(rows) + "), got " +
+                              std::to_string(index[i]));
+    }
+  }
+  if (bounds == nullptr) return;
+  const int32_t* bound = bounds->data<int32_t>();
+  for (size_t b = 0; b < bounds->size(); ++b) {
+    const int32_t previous = b == 0 ? 0 : bound[b - 1];
+    if (bound[b] < previous || bound[b] > static_cast<int64_t>(indices.size()) || (b == 0 && bound[0] != 0)) {
+      throw std::out_of_range("bounds: expected non-decreasing bounds from 0 within the " +
+                              std::to_string(indices.size()) + " indices");
+    }
+  }
+}
 
 // Threads to use: the CPUs this process may run on, at most OMP_NUM_THREADS where that is set.
 int thread_budget() {
@@ -171,6 +195,7 @@ void pool_bag_range(const float* __restrict table, int64_t dim, const int32_t* _
 
 // ins: weight (V, D), indices (N,), bounds (B + 1,) [, entry_weights (N,)]; outs: pooled (B, D)
 void pool_forward(std::vector<mx::array>& ins, std::vector<mx::array>& outs, const Bag& bag) {
+  check_layout(ins[1], &ins[2], ins[0].shape(0));
   const float* table = ins[0].data<float>();
   const int32_t* indices = ins[1].data<int32_t>();
   const int32_t* bounds = ins[2].data<int32_t>();
@@ -186,6 +211,7 @@ void pool_forward(std::vector<mx::array>& ins, std::vector<mx::array>& outs, con
 
 // ins: table (V, D), indices (N,); outs: rows (N, D), rows[i] = table[indices[i]] bit for bit
 void gather(std::vector<mx::array>& ins, std::vector<mx::array>& outs, const Bag&) {
+  check_layout(ins[1], nullptr, ins[0].shape(0));
   const float* table = ins[0].data<float>();
   const int32_t* indices = ins[1].data<int32_t>();
   float* rows = outs[0].data<float>();
@@ -262,6 +288,7 @@ void scatter_row_range(int64_t dim, const int32_t* __restrict indices, const int
 // ins: cotangent (B, D), weight (V, D), indices (N,), bounds (B + 1,) [, entry_weights (N,)]
 // outs: d_weight (V, D) [, d_entry_weights (N,)]
 void pool_backward(std::vector<mx::array>& ins, std::vector<mx::array>& outs, const Bag& bag) {
+  check_layout(ins[2], &ins[3], ins[1].shape(0));
   const float* cotangent = ins[0].data<float>();
   const float* table = ins[1].data<float>();
   const int32_t* indices = ins[2].data<int32_t>();

@@ -11,4 +11,5 @@ NB_MODULE(_seqlib_cpu, m) {
   m.doc() = "seqlib's CPU primitives for recurrent layers and embedding bags (built by seqlib.native)";
   seqlib_cpu::register_recurrent(m);
   seqlib_cpu::register_bags(m);
+  seqlib_cpu::register_checks(m);
 }

@@ -302,6 +302,51 @@ void rnn_backward(std::vector<mx::array>& ins, std::vector<mx::array>& outs, con
 
 // ----------------------------------------------------------------- the operations Python calls
 
+// ----------------------------------------------------------------- argument checks of the bindings
+//
+// Every binding checks its arrays and batch_sizes before a primitive is made: the loops index
+// memory by them, so a wrong shape or a batch_sizes that adds up past the rows would read and
+// write out of bounds.  A ValueError in Python names the operation, the argument and both shapes.
+
+std::string shape_text(const mx::Shape& shape) {
+  std::string text = "(";
+  for (size_t k = 0; k < shape.size(); ++k) text += (k ? ", " : "") + std::to_string(shape[k]);
+  return text + (shape.size() == 1 ? ",)" : ")");
+}
+
+void check_array(const char* op, const char* name, const mx::array& array, const mx::Shape& shape) {
+  if (array.dtype() != mx::float32 || array.shape() != shape) {
+    throw std::invalid_argument(std::string(op) + ": expected " + name + " float32 of shape " + shape_text(shape) +
+                                ", got " + shape_text(array.shape()) + (array.dtype() == mx::float32 ? "" : " not float32"));
+  }
+}
+
+// (B, H) of a state: 2-D float32 with B, H >= 1.
+std::pair<int, int> state_shape(const char* op, const char* name, const mx::array& state) {
+  if (state.ndim() != 2 || state.shape(0) < 1 || state.shape(1) < 1) {
+    throw std::invalid_argument(std::string(op) + ": expected " + name + " of shape (B, H) with B, H >= 1, got " +
+                                shape_text(state.shape()));
+  }
+  check_array(op, name, state, state.shape());
+  return {state.shape(0), state.shape(1)};
+}
+
+// batch_sizes: non-empty, non-increasing, each at least 1, starting at B, adding up to the rows.
+void check_steps(const char* op, const std::vector<int>& batch_sizes, int batch, int64_t rows) {
+  int64_t total = 0;
+  bool ok = !batch_sizes.empty() && batch_sizes[0] == batch;
+  for (size_t t = 0; ok && t < batch_sizes.size(); ++t) {
+    ok = batch_sizes[t] >= 1 && (t == 0 || batch_sizes[t] <= batch_sizes[t - 1]);
+    total += batch_sizes[t];
+  }
+  if (!ok || total != rows) {
+    throw std::invalid_argument(std::string(op) + ": expected batch_sizes non-increasing from the batch size " +
+                                std::to_string(batch) + ", each at least 1, adding up to the " +
+                                std::to_string(rows) + " rows; got " + std::to_string(batch_sizes.size()) +
+                                " sizes adding up to " + std::to_string(total));
+  }
+}
+
 // The outputs of a recurrent loop: float32 arrays of the given shapes.
 std::vector<mx::array> sequence(const char* name, seqlib_cpu::CpuLoop<Loop>::Runner runner,
                                 std::vector<mx::Shape> shapes, std::vector<const mx::array*> inputs,
@@ -313,6 +358,12 @@ std::vector<mx::array> sequence(const char* name, seqlib_cpu::CpuLoop<Loop>::Run
 
 std::vector<mx::array> lstm_sequence(const mx::array& x_gates, const mx::array& w_hh, const mx::array& h0,
                                      const mx::array& c0, std::vector<int> batch_sizes, bool reverse, bool save) {
+  const char* op = "lstm_sequence";
+  const auto [b_, h_] = state_shape(op, "c0", c0);
+  check_array(op, "h0", h0, {b_, h_});
+  check_array(op, "w_hh", w_hh, {4 * h_, h_});
+  check_array(op, "x_gates", x_gates, {x_gates.ndim() == 2 ? x_gates.shape(0) : 0, 4 * h_});
+  check_steps(op, batch_sizes, b_, x_gates.shape(0));
   const int n = x_gates.shape(0), b = h0.shape(0), h = h0.shape(1);
   std::vector<mx::Shape> shapes = {{n, h}, {b, h}, {b, h}};
   if (save) shapes.insert(shapes.end(), {{n, 4 * h}, {n, h}, {n, h}, {n, h}});
@@ -324,6 +375,14 @@ std::vector<mx::array> lstm_sequence_backward(const mx::array& w_hh, const mx::a
                                               const mx::array& tanh_c, const mx::array& c_prev,
                                               const mx::array& d_output, const mx::array& d_h_n,
                                               const mx::array& d_c_n, std::vector<int> batch_sizes, bool reverse) {
+  const char* op = "lstm_sequence_backward";
+  const auto [b_, h_] = state_shape(op, "d_c_n", d_c_n);
+  const int n_ = activations.ndim() == 2 ? activations.shape(0) : 0;
+  check_array(op, "d_h_n", d_h_n, {b_, h_});
+  check_array(op, "w_hh", w_hh, {4 * h_, h_});
+  check_array(op, "activations", activations, {n_, 4 * h_});
+  for (const auto* array : {&tanh_c, &c_prev, &d_output}) check_array(op, "tanh_c, c_prev and d_output", *array, {n_, h_});
+  check_steps(op, batch_sizes, b_, n_);
   const int n = activations.shape(0), b = d_h_n.shape(0), h = d_h_n.shape(1);
   return sequence("LSTMSequenceBackward", lstm_backward, {{n, 4 * h}, {b, h}, {b, h}},
                   {&w_hh, &activations, &tanh_c, &c_prev, &d_output, &d_h_n, &d_c_n}, batch_sizes,
@@ -332,6 +391,12 @@ std::vector<mx::array> lstm_sequence_backward(const mx::array& w_hh, const mx::a
 
 std::vector<mx::array> gru_sequence(const mx::array& x_gates, const mx::array& w_hh, const mx::array& b_hh,
                                     const mx::array& h0, std::vector<int> batch_sizes, bool reverse, bool save) {
+  const char* op = "gru_sequence";
+  const auto [b_, h_] = state_shape(op, "h0", h0);
+  check_array(op, "w_hh", w_hh, {3 * h_, h_});
+  check_array(op, "b_hh", b_hh, {3 * h_});
+  check_array(op, "x_gates", x_gates, {x_gates.ndim() == 2 ? x_gates.shape(0) : 0, 3 * h_});
+  check_steps(op, batch_sizes, b_, x_gates.shape(0));
   const int n = x_gates.shape(0), b = h0.shape(0), h = h0.shape(1);
   std::vector<mx::Shape> shapes = {{n, h}, {b, h}};
   if (save) shapes.insert(shapes.end(), {{n, 3 * h}, {n, 3 * h}, {n, h}});
@@ -343,6 +408,15 @@ std::vector<mx::array> gru_sequence_backward(const mx::array& w_hh, const mx::ar
                                              const mx::array& hidden_side, const mx::array& h_prev,
                                              const mx::array& d_output, const mx::array& d_h_n,
                                              std::vector<int> batch_sizes, bool reverse) {
+  const char* op = "gru_sequence_backward";
+  const auto [b_, h_] = state_shape(op, "d_h_n", d_h_n);
+  const int n_ = activations.ndim() == 2 ? activations.shape(0) : 0;
+  check_array(op, "w_hh", w_hh, {3 * h_, h_});
+  check_array(op, "activations", activations, {n_, 3 * h_});
+  check_array(op, "hidden_side", hidden_side, {n_, 3 * h_});
+  check_array(op, "h_prev", h_prev, {n_, h_});
+  check_array(op, "d_output", d_output, {n_, h_});
+  check_steps(op, batch_sizes, b_, n_);
   const int n = activations.shape(0), b = d_h_n.shape(0), h = d_h_n.shape(1);
   return sequence("GRUSequenceBackward", gru_backward, {{n, 3 * h}, {n, 3 * h}, {b, h}},
                   {&w_hh, &activations, &hidden_side, &h_prev, &d_output, &d_h_n}, batch_sizes, reverse, 0);
@@ -350,6 +424,11 @@ std::vector<mx::array> gru_sequence_backward(const mx::array& w_hh, const mx::ar
 
 std::vector<mx::array> rnn_sequence(const mx::array& x_gates, const mx::array& w_hh, const mx::array& h0,
                                     std::vector<int> batch_sizes, bool reverse, bool relu, bool save) {
+  const char* op = "rnn_sequence";
+  const auto [b_, h_] = state_shape(op, "h0", h0);
+  check_array(op, "w_hh", w_hh, {h_, h_});
+  check_array(op, "x_gates", x_gates, {x_gates.ndim() == 2 ? x_gates.shape(0) : 0, h_});
+  check_steps(op, batch_sizes, b_, x_gates.shape(0));
   const int n = x_gates.shape(0), b = h0.shape(0), h = h0.shape(1);
   std::vector<mx::Shape> shapes = {{n, h}, {b, h}};
   if (save) shapes.push_back({n, h});
@@ -360,6 +439,13 @@ std::vector<mx::array> rnn_sequence(const mx::array& x_gates, const mx::array& w
 std::vector<mx::array> rnn_sequence_backward(const mx::array& w_hh, const mx::array& output, const mx::array& d_output,
                                              const mx::array& d_h_n, std::vector<int> batch_sizes, bool reverse,
                                              bool relu) {
+  const char* op = "rnn_sequence_backward";
+  const auto [b_, h_] = state_shape(op, "d_h_n", d_h_n);
+  const int n_ = output.ndim() == 2 ? output.shape(0) : 0;
+  check_array(op, "w_hh", w_hh, {h_, h_});
+  check_array(op, "output", output, {n_, h_});
+  check_array(op, "d_output", d_output, {n_, h_});
+  check_steps(op, batch_sizes, b_, n_);
   const int n = output.shape(0), b = d_h_n.shape(0), h = d_h_n.shape(1);
   return sequence("RNNSequenceBackward", rnn_backward, {{n, h}, {b, h}}, {&w_hh, &output, &d_output, &d_h_n},
                   batch_sizes, reverse, relu ? kRelu : 0);

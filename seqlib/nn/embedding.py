@@ -8,8 +8,10 @@ import mlx.nn as nn
 from seqlib import functional as F
 from seqlib import sparse
 from seqlib._bags import check_bag_mode
+from seqlib.graph import is_traced
 from seqlib._checks import check_max_norm, check_nonnegative_ints, check_weight, normalize_padding_idx
 from seqlib.nn.state_dict import TorchStateDictMixin
+from seqlib._torch_arrays import to_mlx_array
 
 class _Table(TorchStateDictMixin, nn.Module):
     """What Embedding and EmbeddingBag share: the (V, D) ``weight`` and its options.
@@ -48,6 +50,8 @@ class _Table(TorchStateDictMixin, nn.Module):
 
     @classmethod
     def _wrap(cls, embeddings: mx.array, freeze: bool, **options):
+        if not isinstance(embeddings, mx.array):  # NumPy or a torch tensor, as load_torch_state_dict takes
+            embeddings = to_mlx_array(embeddings, name="embeddings")
         check_weight(embeddings, "embeddings")
         num_embeddings, embedding_dim = embeddings.shape
         module = cls(num_embeddings, embedding_dim, dtype=embeddings.dtype, **options)
@@ -60,16 +64,35 @@ class _Table(TorchStateDictMixin, nn.Module):
         """``lookup(table, input, padding_idx)``, renormalising first if asked.
 
         The renormalised table replaces ``self.weight`` only once the lookup has
-        accepted its arguments, so a call that raises leaves the module unchanged.
+        accepted its arguments, so a call that raises leaves the module unchanged, and
+        only where it is a value of the module's state: not where a transformation traces
+        the indices but not the weight (``mx.vmap``, or ``mx.compile`` without the model's
+        state as its inputs and outputs), which would leave a tracer in the module.
         """
         table, input, padding_idx = sparse.lookup_table(self, input)
         renorm = self.max_norm is not None and table is self.weight
         if renorm:
             table = F.renorm_for_lookup(self.weight, input, self.max_norm, self.norm_type)
         output = lookup(table, input, padding_idx)
-        if renorm:
+        if renorm and (is_traced(self.weight) or not is_traced(table)):
             self.weight = table
         return output
+
+    def to_quantized(self, group_size: int = 64, bits: int = 4, mode: str = "affine"):
+        """This table with its weight quantized by ``mx.quantize`` (for inference; ``mlx.nn.quantize`` calls
+        this): a :class:`~seqlib.nn.QuantizedEmbedding` or :class:`~seqlib.nn.QuantizedEmbeddingBag`.
+        ``embedding_dim`` must be a multiple of ``group_size``; a table with ``max_norm`` is refused (a
+        frozen table is not renormalised)."""
+        from seqlib.nn.quantized import QuantizedEmbedding, QuantizedEmbeddingBag
+
+        if self.max_norm is not None:
+            raise ValueError(f"max_norm: a quantized table is frozen and cannot be renormalised on lookup; got "
+                             f"max_norm={self.max_norm} (renormalise the weight first, then set max_norm=None)")
+        if self.embedding_dim % group_size:
+            raise ValueError(f"group_size: embedding_dim ({self.embedding_dim}) must be a multiple of it, "
+                             f"got {group_size}")
+        kind = QuantizedEmbeddingBag if isinstance(self, EmbeddingBag) else QuantizedEmbedding
+        return kind(self, group_size, bits, mode)
 
     def _extra_repr(self) -> str:
         text = f"{self.num_embeddings}, {self.embedding_dim}"
@@ -98,9 +121,10 @@ class Embedding(_Table):
     ``padding_idx`` row (if any) set to zero; that row never receives a gradient.
     With ``max_norm`` set, each call renormalises the rows it looks up and
     *replaces* ``self.weight`` with the result, so that afterwards ``self.weight``
-    equals what torch's in-place renormalisation leaves.  Under ``mx.compile`` that
-    replacement is a side effect the compiled function does not capture:
-    renormalise outside it.  With ``sparse=True``,
+    equals what torch's in-place renormalisation leaves.  Under ``mx.compile`` with the
+    model's state as inputs and outputs (a training step) the replacement is captured; under
+    ``mx.vmap``, or a compiled forward that does not capture the state, the lookup reads the
+    renormalised rows and the module keeps its weight.  With ``sparse=True``,
     :func:`seqlib.sparse.value_and_grad` gives the weight's gradient as a
     :class:`~seqlib.sparse.SparseGradient` of the looked-up rows only.
 
@@ -156,7 +180,8 @@ class Embedding(_Table):
         scale_grad_by_freq: bool = False,
         sparse: bool = False,
     ) -> Embedding:
-        """An Embedding whose weight is ``embeddings`` (V, D), frozen unless ``freeze=False``."""
+        """An Embedding whose weight is ``embeddings`` (V, D: an MLX or NumPy array or a torch tensor), frozen
+        unless ``freeze=False``."""
         return cls._wrap(embeddings, freeze, padding_idx=padding_idx, max_norm=max_norm, norm_type=norm_type,
                          scale_grad_by_freq=scale_grad_by_freq, sparse=sparse)  # fmt: skip
 
@@ -249,7 +274,8 @@ class EmbeddingBag(_Table):
         include_last_offset: bool = False,
         padding_idx: int | None = None,
     ) -> EmbeddingBag:
-        """An EmbeddingBag whose weight is ``embeddings`` (V, D), frozen unless ``freeze=False``."""
+        """An EmbeddingBag whose weight is ``embeddings`` (V, D: an MLX or NumPy array or a torch tensor), frozen
+        unless ``freeze=False``."""
         return cls._wrap(embeddings, freeze, max_norm=max_norm, norm_type=norm_type,
                          scale_grad_by_freq=scale_grad_by_freq, mode=mode, sparse=sparse,
                          include_last_offset=include_last_offset, padding_idx=padding_idx)  # fmt: skip

@@ -9,7 +9,8 @@ from __future__ import annotations
 import mlx.core as mx
 
 from seqlib import native, scan
-from seqlib.pointwise import is_traced
+from seqlib.dispatch import path_for
+from seqlib.graph import is_traced
 
 __all__ = ["GRURecurrence", "LSTMRecurrence", "RNNRecurrence", "Recurrence"]
 
@@ -39,10 +40,12 @@ class Recurrence:
         run.  Streaming calls one step at a time, and at batch 1 building and scheduling a graph per
         step costs more than the step.  ``states``: (B, H) each for a cell, (L, B, H) for layers.
 
-        At once: float32 on the CPU with the C++ primitives built, no Metal kernels, no projection, and
-        nothing traced (no gradient to take, not under ``mx.compile`` or ``mx.vmap``).
+        At once: on the ``"native"`` path of :mod:`seqlib.dispatch`, no projection, and nothing traced
+        (no gradient to take, not under ``mx.compile`` or ``mx.vmap``).  The step returns evaluated
+        arrays, and evaluates its arguments first: the one place a seqlib forward synchronises, by design
+        (a stream of single steps), and only outside every transformation.
         """
-        if getattr(self, "proj_size", 0) or not native.serves(rows.dtype):
+        if getattr(self, "proj_size", 0) or path_for(rows.dtype) != "native":
             return None
         names = ("weight_ih", "weight_hh", "bias_ih", "bias_hh") if self.bias else ("weight_ih", "weight_hh")
         weights = []

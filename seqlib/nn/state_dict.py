@@ -91,7 +91,8 @@ class TorchStateDictMixin:
         unexpected = sorted(set(state_dict) - set(current))
         problems = []
         if strict and (missing or unexpected):
-            problems.append(f"state_dict: missing keys {missing}, unexpected keys {unexpected}")
+            hint = _rename_hint(unexpected, missing)
+            problems.append(f"state_dict: missing keys {missing}, unexpected keys {unexpected}{hint}")
         loaded = []
         for key, value in state_dict.items():
             if key not in current:
@@ -114,3 +115,13 @@ class TorchStateDictMixin:
             return np.array(array.astype(mx.float32) if array.dtype == mx.bfloat16 else array)
 
         return {key: as_numpy(value) for key, value in tree_flatten(self.parameters())}
+
+
+def _rename_hint(unexpected: list[str], missing: list[str]) -> str:
+    """A hint where the keys differ only by a layer suffix: a cell's ``bias_hh`` against a layer's ``bias_hh_l0``."""
+    renames = [f"{key!r} -> {key + '_l0'!r}" for key in unexpected if f"{key}_l0" in missing]
+    renames += [f"{key!r} -> {key[:-3]!r}" for key in unexpected if key.endswith("_l0") and key[:-3] in missing]
+    if not renames:
+        return ""
+    return (f" (a cell's keys and a layer's differ by the suffix _l0: rename {', '.join(renames)}, "
+            "or load the cell's weights into a cell)")

@@ -1,0 +1,171 @@
+// checks_cpu.cpp: argument checks that read array values, as MLX primitives that run when the
+// values exist, and the graph introspection seqlib needs to decide between the host and the graph.
+//
+// An index check that reads values on the host at the call (mx.eval of the indices) fails under
+// every MLX transformation (mx.compile, mx.vmap, mx.export_function trace arrays that have no
+// values yet) and stalls a lazy program.  seqlib checks values on the host only where they
+// already exist (NumPy, or an evaluated array that no transformation traces: is_available and
+// not is_tracer); otherwise the check is a node of the graph:
+//
+//   CheckedIndices  out = the indices as int32, when every one lies in [0, upper); otherwise the
+//                   task throws the same message the host check gives, and MLX raises it (a
+//                   RuntimeError) where the result is evaluated.  Its output is clamped into
+//                   [0, upper) either way: an MLX task that throws does not stop the tasks after
+//                   it, so whatever reads the table with these indices never reads out of bounds.
+//   CheckedBounds   bounds (B + 1,) int32 of bags from offsets, with torch's rules on offsets
+//                   (start at 0, non-decreasing, within the input, and with include_last_offset
+//                   the last equal to its length); clamped likewise into a valid layout.
+//
+// Shapes: indices any shape, any integer dtype; offsets (B,) (or (B + 1,) with
+// include_last_offset), any integer dtype.
+
+#include <algorithm>
+#include <cstdint>
+#include <limits>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+#include <nanobind/nanobind.h>
+#include <nanobind/stl/string.h>
+
+#include "cpu_loop.h"
+
+namespace nb = nanobind;
+namespace mx = mlx::core;
+using namespace nb::literals;
+
+namespace {
+
+struct Range {
+  int64_t upper;      // indices must lie in [0, upper)
+  std::string name;   // the argument, for the message ("input")
+  std::string what;   // what upper is ("num_embeddings")
+  bool operator==(const Range&) const = default;
+};
+
+// Every element of an integer array of any width, as int64 (uint64 beyond int64's range: as the maximum).
+template <class T>
+void read_as_int64(const mx::array& array, std::vector<int64_t>& values) {
+  const T* data = array.data<T>();
+  values.resize(array.size());
+  for (size_t i = 0; i < values.size(); ++i) {
+    if constexpr (std::is_unsigned_v<T> && sizeof(T) == 8) {
+      values[i] = data[i] > static_cast<T>(std::numeric_limits<int64_t>::max()) ? std::numeric_limits<int64_t>::max()
+                                                                                : static_cast<int64_t>(data[i]);
+    } else {
+      values[i] = static_cast<int64_t>(data[i]);
+    }
+  }
+}
+
+std::vector<int64_t> int64_values(const mx::array& array) {
+  std::vector<int64_t> values;
+  switch (array.dtype()) {
+    case mx::int8: read_as_int64<int8_t>(array, values); break;
+    case mx::int16: read_as_int64<int16_t>(array, values); break;
+    case mx::int32: read_as_int64<int32_t>(array, values); break;
+    case mx::int64: read_as_int64<int64_t>(array, values); break;
+    case mx::uint8: read_as_int64<uint8_t>(array, values); break;
+    case mx::uint16: read_as_int64<uint16_t>(array, values); break;
+    case mx::uint32: read_as_int64<uint32_t>(array, values); break;
+    case mx::uint64: read_as_int64<uint64_t>(array, values); break;
+    default: throw std::invalid_argument("expected an integer array");
+  }
+  return values;
+}
+
+// ins: indices (any shape, integer); outs: checked (same shape, int32), clamped into [0, upper)
+void check_indices(std::vector<mx::array>& ins, std::vector<mx::array>& outs, const Range& range) {
+  const std::vector<int64_t> values = int64_values(ins[0]);
+  int32_t* out = outs[0].data<int32_t>();
+  int64_t low = std::numeric_limits<int64_t>::max(), high = std::numeric_limits<int64_t>::min();
+  const int64_t last = std::max<int64_t>(range.upper - 1, 0);
+  for (size_t i = 0; i < values.size(); ++i) {
+    low = std::min(low, values[i]);
+    high = std::max(high, values[i]);
+    out[i] = static_cast<int32_t>(std::clamp<int64_t>(values[i], 0, last));
+  }
+  if (!values.empty() && (low < 0 || high >= range.upper)) {  // seqlib._checks.check_index_range's message
+    throw std::out_of_range(range.name + ": every index must lie in [0, " + std::to_string(range.upper) + ") (" +
+                            range.what + "=" + std::to_string(range.upper) + "); got values from " +
+                            std::to_string(low) + " to " + std::to_string(high));
+  }
+}
+
+struct BagRule {
+  int64_t input_size;        // N, the entries of the flat input
+  bool include_last_offset;  // offsets are the B + 1 bounds
+  bool operator==(const BagRule&) const = default;
+};
+
+// ins: offsets (B,) or (B + 1,); outs: bounds (B + 1,) int32, made valid (non-decreasing in [0, N],
+// from 0 to N) whatever the offsets were.  The messages are seqlib._bags.checked_offsets's.
+void check_bounds(std::vector<mx::array>& ins, std::vector<mx::array>& outs, const BagRule& rule) {
+  const std::vector<int64_t> offsets = int64_values(ins[0]);
+  int32_t* bounds = outs[0].data<int32_t>();
+  std::string error;
+  int64_t previous = 0;
+  for (size_t b = 0; b < offsets.size(); ++b) {
+    const int64_t offset = offsets[b];
+    if (error.empty() && b == 0 && offset != 0) {
+      error = "offsets: the first bag must start at 0, got offsets[0] = " + std::to_string(offset);
+    } else if (error.empty() && b > 0 && offset < offsets[b - 1]) {
+      error = "offsets: must be non-decreasing, got offsets[" + std::to_string(b - 1) + "] = " +
+              std::to_string(offsets[b - 1]) + " > offsets[" + std::to_string(b) + "] = " + std::to_string(offset);
+    } else if (error.empty() && offset > rule.input_size) {
+      error = "offsets: may not point past the end of input (length " + std::to_string(rule.input_size) +
+              "), got offsets[" + std::to_string(b) + "] = " + std::to_string(offset);
+    }
+    previous = b == 0 ? 0 : std::clamp<int64_t>(offset, previous, rule.input_size);
+    bounds[b] = static_cast<int32_t>(previous);
+  }
+  if (error.empty() && rule.include_last_offset && offsets.back() != rule.input_size) {
+    error = "offsets: with include_last_offset=True the last offset must be the length of input (" +
+            std::to_string(rule.input_size) + "), got offsets[-1] = " + std::to_string(offsets.back());
+  }
+  bounds[outs[0].size() - 1] = static_cast<int32_t>(rule.input_size);  // the last bag ends at the end
+  if (!error.empty()) throw std::invalid_argument(error);
+}
+
+void check_integer(const mx::array& array, const char* name) {
+  if (!mx::issubdtype(array.dtype(), mx::integer)) {
+    throw std::invalid_argument(std::string(name) + ": expected an integer array");
+  }
+}
+
+mx::array checked_indices(const mx::array& indices, int64_t upper, std::string name, std::string what) {
+  check_integer(indices, "indices");
+  if (upper < 0 || upper > std::numeric_limits<int32_t>::max()) {
+    throw std::invalid_argument("checked_indices: upper must lie in [0, 2**31)");
+  }
+  return seqlib_cpu::make_loop("CheckedIndices", check_indices, {indices.shape()}, {mx::int32}, {&indices},
+                               Range{upper, std::move(name), std::move(what)})[0];
+}
+
+mx::array checked_bounds(const mx::array& offsets, int64_t input_size, bool include_last_offset) {
+  check_integer(offsets, "offsets");
+  if (offsets.ndim() != 1 || (include_last_offset && offsets.size() == 0)) {
+    throw std::invalid_argument("checked_bounds: expected 1-D offsets (non-empty with include_last_offset)");
+  }
+  if (input_size < 0 || input_size > std::numeric_limits<int32_t>::max()) {
+    throw std::invalid_argument("checked_bounds: input_size must lie in [0, 2**31)");
+  }
+  const int bags = static_cast<int>(offsets.size()) - (include_last_offset ? 1 : 0);
+  if (bags == 0 && !include_last_offset) {  // no offsets: no bags, one bound at the end
+    return mx::array({static_cast<int32_t>(input_size)});
+  }
+  return seqlib_cpu::make_loop("CheckedBounds", check_bounds, {{bags + 1}}, {mx::int32}, {&offsets},
+                               BagRule{input_size, include_last_offset})[0];
+}
+
+}  // namespace
+
+void seqlib_cpu::register_checks(nb::module_& m) {
+  m.def("is_tracer", [](const mx::array& array) { return array.is_tracer(); }, "array"_a,
+        "Whether a transformation (mx.grad, mx.vjp, mx.vmap, mx.compile, mx.export_function) traces the array.");
+  m.def("is_available", [](const mx::array& array) { return array.is_available(); }, "array"_a,
+        "Whether the array's values exist (it was evaluated, or made from data), without evaluating it.");
+  m.def("checked_indices", &checked_indices, "indices"_a, "upper"_a, "name"_a, "what"_a);
+  m.def("checked_bounds", &checked_bounds, "offsets"_a, "input_size"_a, "include_last_offset"_a);
+}

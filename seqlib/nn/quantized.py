@@ -1,0 +1,94 @@
+"""Quantized lookup tables for inference: what ``mlx.nn.quantize`` makes of seqlib's tables.
+
+``mlx.nn.quantize(model)`` replaces every module that has a ``to_quantized`` method by what that
+method returns; :class:`seqlib.nn.Embedding` and :class:`seqlib.nn.EmbeddingBag` return these.  Each
+stores its (V, D) table as ``mx.quantize`` does (``weight`` packed to ``bits`` bits, ``scales`` and
+``biases`` per group of ``group_size`` columns) and dequantizes only the rows a call reads, so a table
+of V rows costs about ``V D bits / 8`` bytes plus the scales instead of ``4 V D``.  Indices are checked
+as the float tables check them (:mod:`seqlib.functional`).  The tables are frozen: quantized weights
+are for inference, as with ``mlx.nn.QuantizedEmbedding`` and torch's dynamic quantization.
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from seqlib import functional as F
+
+__all__ = ["QuantizedEmbedding", "QuantizedEmbeddingBag"]
+
+
+class _QuantizedTable(nn.Module):
+    """The quantized ``weight``, ``scales`` and ``biases`` of a (V, D) table, and how they were made."""
+
+    def __init__(self, table, group_size: int, bits: int, mode: str):
+        super().__init__()
+        self.num_embeddings, self.embedding_dim = table.weight.shape
+        self.padding_idx = table.padding_idx
+        self.group_size, self.bits, self.quantization_mode = group_size, bits, mode
+        self.weight, self.scales, *biases = mx.quantize(table.weight, group_size, bits, mode=mode)
+        self.biases = biases[0] if biases else None
+        self.freeze()
+
+    def dequantized(self) -> mx.array:
+        """The whole table as ``mx.dequantize`` gives it back: (V, D), in the scales' dtype."""
+        return mx.dequantize(self.weight, self.scales, self.get("biases"), group_size=self.group_size,
+                             bits=self.bits, mode=self.quantization_mode)  # fmt: skip
+
+    def _extra_repr(self) -> str:
+        return (f"{self.num_embeddings}, {self.embedding_dim}, group_size={self.group_size}, bits={self.bits}, "
+                f"mode={self.quantization_mode!r}")  # fmt: skip
+
+
+class QuantizedEmbedding(_QuantizedTable):
+    r""":class:`seqlib.nn.Embedding` with its table quantized: ``out[..., :] = dequantize(W)[input[...], :]``.
+
+    Made by ``Embedding.to_quantized`` (and so by ``mlx.nn.quantize``); only the looked-up rows are
+    dequantized.  Inputs and outputs as :class:`seqlib.nn.Embedding`: ids of any shape ``(*)`` in
+    ``[0, V)``, rows ``(*, D)``.  ``padding_idx`` is kept for reference (it only ever stopped gradients).
+
+    Args:
+        table: the :class:`~seqlib.nn.Embedding` to quantize (its ``max_norm`` must be None: a frozen
+            table is not renormalised).
+        group_size: columns that share a scale and a bias (D must be a multiple). Default 64.
+        bits: bits per weight, 2 to 8. Default 4.
+        mode: ``mx.quantize``'s mode. Default ``"affine"``.
+    """
+
+    def __call__(self, input) -> mx.array:
+        return F.quantized_embedding(input, self.weight, self.scales, self.get("biases"), self.group_size, self.bits,
+                                     self.quantization_mode)  # fmt: skip
+
+    def as_linear(self, x: mx.array) -> mx.array:
+        """``x @ dequantize(W).T``, (*, D) -> (*, V), as a quantized matmul: for an output layer tied to the table."""
+        return mx.quantized_matmul(x, self.weight, self.scales, self.get("biases"), transpose=True,
+                                   group_size=self.group_size, bits=self.bits, mode=self.quantization_mode)  # fmt: skip
+
+
+class QuantizedEmbeddingBag(_QuantizedTable):
+    r""":class:`seqlib.nn.EmbeddingBag` with its table quantized: sums, means or maxima of dequantized rows.
+
+    Made by ``EmbeddingBag.to_quantized`` (and so by ``mlx.nn.quantize``).  Inputs and outputs as
+    :class:`seqlib.nn.EmbeddingBag`: ``input`` (B, N) or (N,) with ``offsets``, ``per_sample_weights``
+    in ``mode="sum"``; one row per bag, (B, D).  Each entry's row is dequantized, (N, D), and pooled by
+    :func:`seqlib.functional.pool_rows`.
+
+    Args:
+        table: the :class:`~seqlib.nn.EmbeddingBag` to quantize (``max_norm`` None).
+        group_size, bits, mode: as :class:`QuantizedEmbedding`.
+    """
+
+    def __init__(self, table, group_size: int, bits: int, mode: str):
+        super().__init__(table, group_size, bits, mode)
+        self.mode = table.mode
+        self.include_last_offset = table.include_last_offset
+
+    def __call__(self, input, offsets=None, per_sample_weights=None) -> mx.array:
+        return F.quantized_embedding_bag(
+            input, self.weight, self.scales, self.get("biases"), self.group_size, self.bits, self.quantization_mode,
+            offsets, self.mode, per_sample_weights, self.include_last_offset, self.padding_idx,
+        )  # fmt: skip
+
+    def _extra_repr(self) -> str:
+        return super()._extra_repr() + f", bag mode={self.mode!r}"
