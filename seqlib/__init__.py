@@ -1,15 +1,15 @@
 """seqlib: PyTorch-compatible embeddings and recurrent networks for MLX.
 
 The library the book *Embeddings and Recurrent Networks in MLX* builds chapter by
-chapter.  On Linux its import routes MLX's matmuls to an optimised BLAS, whether
-``mlx.core`` was imported before it or not (see :mod:`seqlib._blas`).
+chapter.  Importing it has no side effect beyond Python imports: it compiles nothing and
+changes nothing in MLX.  On Linux, :func:`route_mlx_blas` sends MLX's own matmuls to
+OpenBLAS when a program asks for it (the book does, in every chapter's first cell), and
+``SEQLIB_BLAS=1`` makes the import ask (see :mod:`seqlib._blas`).
 """
 
-from seqlib._blas import route_mlx_blas as _route_mlx_blas
+import os as _os
 
-_route_mlx_blas()  # best before anything below imports mlx.core (else it rebinds MLX)
-
-from seqlib import (  # noqa: E402
+from seqlib import (
     activations,
     data,
     dispatch,
@@ -28,11 +28,11 @@ from seqlib import (  # noqa: E402
     scan,
     sparse,
 )
-from seqlib._blas import BlasRoutingWarning, BlasStatus  # noqa: E402
-from seqlib.export import export_function  # noqa: E402
-from seqlib.interop import from_torch  # noqa: E402
-from seqlib.nn import Embedding, EmbeddingBag  # noqa: E402
-from seqlib.sparse import SparseGradient  # noqa: E402
+from seqlib._blas import BlasRoutingWarning, BlasStatus, route_mlx_blas
+from seqlib.export import export_function
+from seqlib.interop import from_torch
+from seqlib.nn import Embedding, EmbeddingBag
+from seqlib.sparse import SparseGradient
 
 __version__ = "0.1.0"
 
@@ -43,6 +43,9 @@ def blas_status() -> BlasStatus:
 
     return _blas.status
 
+
+if _os.environ.get("SEQLIB_BLAS", "").strip().lower() in {"1", "on", "true", "yes"}:
+    route_mlx_blas()  # asked for by the environment, for programs that cannot call it themselves
 
 __all__ = [
     "BlasRoutingWarning",
@@ -69,6 +72,7 @@ __all__ = [
     "optim",
     "pointwise",
     "reference",
+    "route_mlx_blas",
     "scan",
     "sparse",
 ]

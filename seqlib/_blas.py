@@ -1,43 +1,45 @@
-"""Give MLX's CPU backend an optimised BLAS on Linux.
+"""Give MLX's CPU backend an optimised BLAS on Linux, when asked: :func:`route_mlx_blas`.
 
 MLX's Linux wheel links netlib's *reference* BLAS: a float32 matmul runs at a
 few GFLOP/s there, 20-30x slower than NumPy on the same machine.  MLX calls only
-``cblas_sgemm``, ``cblas_dgemm`` and ``cblas_cgemm``, so we build a tiny shim
+``cblas_sgemm``, ``cblas_dgemm`` and ``cblas_cgemm``, so seqlib builds a tiny shim
 library (``_blas_shim.c``) that defines exactly those three names and forwards
-them to the OpenBLAS shipped by the ``scipy-openblas32`` wheel, load it with
-``RTLD_GLOBAL`` and only then import ``mlx.core``.  The dynamic linker then
-binds MLX's references to the shim instead of the reference BLAS.
+them to the OpenBLAS shipped by the ``scipy-openblas32`` wheel.
 
-Most MLX code imports ``mlx.core`` first, and Python loads extensions with
-``RTLD_NOW``: by the time seqlib is imported, ``libmlx.so``'s three references
-are already bound to the reference BLAS.  Then seqlib rebinds them itself: it
-reads ``libmlx.so``'s relocation table for the three names, and writes the
-shim's addresses into the slots of its global offset table, the same
-pointers the dynamic linker had written there (:func:`_rebind_loaded_mlx`).
-Only those three slots of that one library change.
+``import seqlib`` does none of this: a library imported into other people's
+programs should not change the speed or the rounding of their MLX code.  Routing
+is one explicit call, :func:`route_mlx_blas` (``seqlib.route_mlx_blas()``), which the
+book makes in every chapter's first cell; ``SEQLIB_BLAS=1`` makes ``import seqlib``
+call it, for programs that cannot be edited; ``SEQLIB_BLAS=0`` turns it off.  By
+then ``mlx.core`` is loaded and Python loaded it with ``RTLD_NOW``, so
+``libmlx.so``'s three references are bound to the reference BLAS: the call rebinds
+them.  It reads ``libmlx.so``'s relocation table for the three names and writes the
+shim's addresses into the slots of its global offset table, the same pointers the
+dynamic linker had written there (:func:`_rebind_loaded_mlx`).  Only those three
+slots of that one library change.
 
-Nothing else is exported, so PyTorch (or NumPy) in the same process keeps its
-own BLAS and its speed.  On macOS nothing is done: MLX uses Accelerate.
-
-Set ``SEQLIB_BLAS=0`` to turn the routing off.  If it cannot be done (no C
-compiler, no scipy-openblas32, or a ``libmlx.so`` whose slots cannot be found)
-a one-line :class:`BlasRoutingWarning` says so and MLX keeps its own BLAS.
+seqlib's own C++ primitives (:mod:`seqlib.native`) call ``cblas_sgemm`` by name and
+get the shim's, loaded for them with ``RTLD_GLOBAL`` when they are first built
+(:func:`load_shim`), whether MLX is routed or not.  Nothing else is exported, so
+PyTorch (or NumPy) in the same process keeps its own BLAS and its speed.  On macOS
+nothing is done: MLX uses Accelerate.  If routing cannot be done (no C compiler, no
+scipy-openblas32, or a ``libmlx.so`` whose slots cannot be found) a one-line
+:class:`BlasRoutingWarning` says so and MLX keeps its own BLAS.
 """
 
 from __future__ import annotations
 
 import ctypes
-import hashlib
 import mmap
 import os
 import struct
-import shutil
 import subprocess
 import sys
-import tempfile
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
+
+from seqlib import _build
 
 ENV_VAR = "SEQLIB_BLAS"
 SHIM_SOURCE = Path(__file__).with_name("_blas_shim.c")
@@ -55,19 +57,13 @@ class BlasStatus:
     shim_path: str | None = None
 
 
-status = BlasStatus(routed=False, reason="routing not attempted yet")
+status = BlasStatus(routed=False, reason="not routed: call seqlib.route_mlx_blas() (or set SEQLIB_BLAS=1)")
 _shim: ctypes.CDLL | None = None
 
 
 def cache_dir() -> Path:
-    """Where seqlib caches what it builds: SEQLIB_CACHE_DIR, else ~/.cache/seqlib (a temp dir if unwritable)."""
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(Path.home(), ".cache")
-    path = Path(os.environ.get("SEQLIB_CACHE_DIR", os.path.join(base, "seqlib")))
-    try:
-        path.mkdir(parents=True, exist_ok=True)
-        return path
-    except OSError:
-        return Path(tempfile.gettempdir())
+    """Where seqlib caches what it builds (see :func:`seqlib._build.cache_dir`)."""
+    return _build.cache_dir()
 
 
 def _openblas_dir() -> str:
@@ -77,24 +73,24 @@ def _openblas_dir() -> str:
 
 
 def _build_shim(openblas_dir: str) -> Path:
-    """Compile the shim once per (source, OpenBLAS location); return its path."""
-    source = SHIM_SOURCE.read_bytes()
-    key = hashlib.sha256(source + openblas_dir.encode()).hexdigest()[:16]
-    target = cache_dir() / f"blas_shim-{key}.so"
-    if target.exists():
-        return target
-    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
-    if compiler is None:
-        raise FileNotFoundError("no C compiler (cc or gcc) on PATH")
-    partial = target.with_suffix(f".{os.getpid()}.tmp")
-    command = [
-        compiler, "-O2", "-shared", "-fPIC", "-fvisibility=hidden",
-        str(SHIM_SOURCE), "-o", str(partial),
+    """Compile the shim once per (source, OpenBLAS location, compiler); return its path."""
+    compiler = _build.find_compiler("c")
+    target = cache_dir() / f"blas_shim-{_build.key_of(SHIM_SOURCE.read_bytes(), openblas_dir, *compiler)}.so"
+    return _build.build_once(target, lambda partial: [
+        *compiler, "-O2", "-shared", "-fPIC", "-fvisibility=hidden", "-pthread", str(SHIM_SOURCE), "-o", str(partial),
         f"-L{openblas_dir}", "-lscipy_openblas", f"-Wl,-rpath,{openblas_dir}",
-    ]  # fmt: skip
-    subprocess.run(command, check=True, capture_output=True)
-    os.replace(partial, target)  # atomic: parallel imports never see half a file
-    return target
+    ])  # fmt: skip
+
+
+def load_shim() -> ctypes.CDLL:
+    """The shim, built if need be and loaded with ``RTLD_GLOBAL`` (so that a library loaded after it, such as
+    seqlib's C++ primitives, binds ``cblas_sgemm`` to it), without touching MLX.  Raises ImportError,
+    OSError, :class:`seqlib._build.CompilerNotFoundError` or ``subprocess.CalledProcessError`` when it
+    cannot be built or loaded."""
+    global _shim
+    if _shim is None:
+        _shim = ctypes.CDLL(str(_build_shim(_openblas_dir())), mode=ctypes.RTLD_GLOBAL)
+    return _shim
 
 
 def _mlx_calls_the_shim(shim: ctypes.CDLL) -> bool:
@@ -109,36 +105,43 @@ def _mlx_calls_the_shim(shim: ctypes.CDLL) -> bool:
     return counter() > before
 
 
+def _turned_off() -> bool:
+    return os.environ.get(ENV_VAR, "").strip().lower() in {"0", "off", "false", "no"}
+
+
 def route_mlx_blas() -> BlasStatus:
-    """Route MLX's BLAS to OpenBLAS if possible; return and remember the outcome."""
-    global status, _shim
+    """Send MLX's float32, float64 and complex64 matmuls to OpenBLAS on Linux (20-30x faster than the
+    reference BLAS MLX's Linux wheel ships), once per process; return and remember the outcome.
+
+    Rebinds the three GEMM slots of the loaded ``libmlx.so`` to seqlib's shim (built on the first call,
+    about a second, then cached).  PyTorch and NumPy in the process keep their own BLAS.  Does nothing
+    on macOS (MLX uses Accelerate) or with ``SEQLIB_BLAS=0``; warns once (:class:`BlasRoutingWarning`)
+    and leaves MLX as it was where it cannot be done.  Check with :func:`seqlib.blas_status`.
+    """
+    global status
     if status.routed:
         return status
     if sys.platform != "linux":
         status = BlasStatus(False, "not Linux: MLX already uses an optimised BLAS")
         return status
-    if os.environ.get(ENV_VAR, "1").strip().lower() in {"0", "off", "false", "no"}:
+    if _turned_off():
         status = BlasStatus(False, f"turned off by {ENV_VAR}={os.environ[ENV_VAR]}")
         return status
-
-    mlx_loaded_first = "mlx.core" in sys.modules
     try:
-        shim_path = _build_shim(_openblas_dir())
-        _shim = ctypes.CDLL(str(shim_path), mode=ctypes.RTLD_GLOBAL)
-    except (ImportError, OSError, subprocess.CalledProcessError) as error:
+        shim = load_shim()
+    except (ImportError, OSError, _build.CompilerNotFoundError, subprocess.CalledProcessError) as error:
         detail = getattr(error, "stderr", b"") or b""
         reason = f"could not build or load the OpenBLAS shim ({error} {detail.decode()[:200]})"
         return _give_up(reason.strip())
+    import mlx.core  # noqa: F401  (seqlib imports it anyway: its slots are bound and must be rebound)
 
-    if mlx_loaded_first:  # libmlx.so's references were bound when mlx.core was loaded: rebind them
-        try:
-            _rebind_loaded_mlx(_shim)
-        except (OSError, ValueError) as error:
-            return _give_up(f"mlx.core was imported before seqlib and its BLAS could not be rebound ({error}); "
-                            "import seqlib first")  # fmt: skip
-    if _mlx_calls_the_shim(_shim):
-        how = "rebound after mlx.core was loaded" if mlx_loaded_first else "bound when mlx.core was loaded"
-        status = BlasStatus(True, f"MLX's cblas_*gemm calls go to OpenBLAS ({how})", str(shim_path))
+    try:
+        _rebind_loaded_mlx(shim)
+    except (OSError, ValueError) as error:
+        return _give_up(f"the loaded libmlx.so's BLAS could not be rebound ({error})")
+    if _mlx_calls_the_shim(shim):
+        status = BlasStatus(True, "MLX's cblas_*gemm calls go to OpenBLAS (rebound by seqlib.route_mlx_blas)",
+                            str(shim._name))  # fmt: skip
         return status
     return _give_up("MLX did not call the shim's cblas_sgemm")
 

@@ -7,7 +7,8 @@
  * those three names and forwards each call to the prefixed copies in
  * scipy-openblas32 (scipy_cblas_sgemm, ...), whose other symbols all carry the
  * `scipy_` prefix too.  seqlib loads it with RTLD_GLOBAL *before* importing
- * mlx.core, so the dynamic linker resolves MLX's references here first.
+ * mlx.core or, since seqlib.route_mlx_blas, rebinds libmlx.so's three GOT slots to these
+ * functions; seqlib.native's primitives, loaded after it, bind their cblas_sgemm here too.
  *
  * We export nothing else on purpose: a library that also exported the Fortran
  * names (sgemm_, ...) would capture PyTorch's BLAS calls in the same process
@@ -21,10 +22,16 @@
  * OpenBLAS is set to use (OPENBLAS_NUM_THREADS, threadpoolctl, ...).  seqlib.native's primitives call
  * cblas_sgemm by its plain name and so come here too.
  *
+ * OpenBLAS's thread count is one setting for the whole process, and two threads call BLAS at
+ * once here (MLX's CPU stream, and seqlib's streaming step on the caller's thread).  So every
+ * forwarded call holds one lock: a small product lowers the count, runs and restores it before
+ * any other product starts, and a large one never runs while the count is lowered.
+ *
  * Matrix-vector products: OpenBLAS's GEMM packs the whole matrix operand on every call, so a
  * product with one row or one column (a recurrent step at batch 1: 1 x 4H x H) costs several
  * times its GEMV.  Row-major float32 and float64 products with m == 1 or n == 1 go to GEMV.
  */
+#include <pthread.h>
 #include <stdint.h>
 
 /* CBLAS enums are passed as ints; the values are the same in every CBLAS. */
@@ -93,6 +100,9 @@ static int is_gemv(int order, int m, int n, int k) {
   return order == ROW_MAJOR && (m == 1 || n == 1) && m > 0 && n > 0 && k > 0;
 }
 
+/* Held by every forwarded call: the thread count it sets is the process's (see above). */
+static pthread_mutex_t thread_count_lock = PTHREAD_MUTEX_INITIALIZER;
+
 /* Counts forwarded calls, so seqlib can check that MLX really calls us. */
 static volatile int64_t forwarded_calls = 0;
 
@@ -103,6 +113,7 @@ EXPORT int64_t seqlib_blas_shim_calls(void) { return forwarded_calls; }
   EXPORT void name(int order, int trans_a, int trans_b, int m, int n, int k, type alpha, const type *a,  \
                    int lda, const type *b, int ldb, type beta, type *c, int ldc) {                       \
     __atomic_add_fetch(&forwarded_calls, 1, __ATOMIC_RELAXED);                                           \
+    pthread_mutex_lock(&thread_count_lock);                                                              \
     int restore = threads_for((long long)m * n * k);                                                     \
     if (is_gemv(order, m, n, k)) {                                                                       \
       GEMV_PRODUCT(gemv)                                                                                 \
@@ -110,6 +121,7 @@ EXPORT int64_t seqlib_blas_shim_calls(void) { return forwarded_calls; }
       gemm(order, trans_a, trans_b, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc);                       \
     }                                                                                                    \
     restore_threads(restore);                                                                            \
+    pthread_mutex_unlock(&thread_count_lock);                                                            \
   }
 
 REAL_GEMM(cblas_sgemm, float, scipy_cblas_sgemm, scipy_cblas_sgemv)
@@ -119,7 +131,9 @@ EXPORT void cblas_cgemm(int order, int trans_a, int trans_b, int m, int n, int k
                         const void *alpha, const void *a, int lda,
                         const void *b, int ldb, const void *beta, void *c, int ldc) {
   __atomic_add_fetch(&forwarded_calls, 1, __ATOMIC_RELAXED);
+  pthread_mutex_lock(&thread_count_lock);
   int restore = threads_for((long long)m * n * k);
   scipy_cblas_cgemm(order, trans_a, trans_b, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc);
   restore_threads(restore);
+  pthread_mutex_unlock(&thread_count_lock);
 }

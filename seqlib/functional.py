@@ -398,7 +398,7 @@ def embedding_bag(
     check_bag_mode(mode, sparse, scale_grad_by_freq)
     num_embeddings, embedding_dim = weight.shape
     path = path_for(weight.dtype)
-    indices, outside, offsets, bounds, broken, flat_weights, padding_idx = _bag_arguments(
+    indices, outside, offsets, include_last_offset, bounds, broken, flat_weights, padding_idx = _bag_arguments(
         input, num_embeddings, weight.dtype, offsets, mode, per_sample_weights, include_last_offset, padding_idx, path
     )
     check_max_norm(max_norm, norm_type)
@@ -421,8 +421,9 @@ def embedding_bag(
 
 def _bag_arguments(input, num_embeddings, dtype, offsets, mode, per_sample_weights, include_last_offset, padding_idx,
                    path):  # fmt: skip
-    """embedding_bag's input, offsets, weights and padding_idx checked; the indices safe to read and the bounds
-    valid (see :func:`_checked_indices`, :func:`_checked_bounds`)."""
+    """embedding_bag's input, offsets, weights and padding_idx checked, as one flat (N,) input with offsets
+    (:func:`seqlib._bags.flatten_bags`); the indices safe to read and the bounds valid (see
+    :func:`_checked_indices`, :func:`_checked_bounds`)."""
     check_per_sample_weights(per_sample_weights, mode, as_index_array(input, "input").shape, dtype)
     indices, offsets, flat_weights, include_last_offset = flatten_bags(
         input, offsets, per_sample_weights, include_last_offset
@@ -430,7 +431,7 @@ def _bag_arguments(input, num_embeddings, dtype, offsets, mode, per_sample_weigh
     indices, outside = _checked_indices(indices, num_embeddings)
     padding_idx = normalize_padding_idx(padding_idx, num_embeddings)
     bounds, broken = _checked_bounds(offsets, indices.size, include_last_offset, path)
-    return indices, outside, offsets, bounds, broken, flat_weights, padding_idx
+    return indices, outside, offsets, include_last_offset, bounds, broken, flat_weights, padding_idx
 
 
 def _dequantized_rows(indices, weight, scales, biases, group_size, bits, mode) -> mx.array:
@@ -462,7 +463,7 @@ def quantized_embedding_bag(input, weight, scales, biases=None, group_size: int 
     are dequantized, (N, D), and pooled by :func:`pool_rows`.  For inference.
     """
     check_bag_mode(mode, False, False)
-    indices, outside, _, bounds, broken, flat_weights, padding_idx = _bag_arguments(
+    indices, outside, _, _, bounds, broken, flat_weights, padding_idx = _bag_arguments(
         input, weight.shape[0], scales.dtype, offsets, mode, per_sample_weights, include_last_offset, padding_idx,
         path_for(scales.dtype),
     )  # fmt: skip

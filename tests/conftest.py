@@ -1,9 +1,11 @@
-"""Shared test setup: seqlib is imported first (it routes MLX's BLAS), hypothesis is deterministic."""
+"""Shared test setup: MLX's BLAS routed as the book routes it, hypothesis deterministic."""
 
 import os
 
-import seqlib  # noqa: F401  (before mlx.core, as users are told to)
+import seqlib
 from hypothesis import settings
+
+seqlib.route_mlx_blas()  # as every chapter's first cell does
 
 settings.register_profile("seqlib", derandomize=True, deadline=None, max_examples=40, print_blob=True)
 settings.register_profile("thorough", derandomize=False, deadline=None, max_examples=500)

@@ -204,7 +204,9 @@ def _serve() -> None:
     os.dup2(2, 1)  # anything the library prints goes to stderr, never into the protocol
     channel_in = sys.stdin.buffer
     sys.path.insert(0, str(TESTS_DIR))
-    import seqlib  # noqa: F401  (routes MLX's BLAS before mlx.core, as in the parent)
+    import seqlib
+
+    seqlib.route_mlx_blas()  # as in the parent (conftest)
 
     modules: dict = {}
     while True:

@@ -31,6 +31,7 @@ def run_python(code: str, **env) -> subprocess.CompletedProcess:
 SYMBOL_OWNERS = """
     import ctypes, json
     import seqlib, torch, numpy, mlx.core as mx
+    seqlib.route_mlx_blas()
 
     class DlInfo(ctypes.Structure):
         _fields_ = [("fname", ctypes.c_char_p), ("fbase", ctypes.c_void_p),
@@ -81,6 +82,7 @@ def test_the_routing_changes_which_library_serves_the_three_gemms_and_nothing_el
 def test_mlx_matmuls_reach_openblas_through_the_shim():
     result = run_python("""
         import ctypes, seqlib, mlx.core as mx
+        seqlib.route_mlx_blas()
         calls = ctypes.CDLL(seqlib.blas_status().shim_path).seqlib_blas_shim_calls
         calls.restype = ctypes.c_int64
         before = calls()
@@ -111,6 +113,7 @@ MLX_FIRST = """
     a = mx.random.normal((96, 80)); b = mx.random.normal((80, 72))
     mx.eval(a @ b)  # libmlx.so's cblas_sgemm is bound (to the reference BLAS) and has been called
     import seqlib
+    seqlib.route_mlx_blas()
     calls = ctypes.CDLL(seqlib.blas_status().shim_path).seqlib_blas_shim_calls
     calls.restype = ctypes.c_int64
     before = calls()
@@ -151,9 +154,53 @@ def test_rebinding_after_mlx_changes_which_library_serves_the_three_gemms_and_no
 
 @linux_only
 def test_the_environment_variable_turns_routing_off_silently():
-    result = run_python("import seqlib; print(seqlib.blas_status().reason)", SEQLIB_BLAS="0")
+    result = run_python("import seqlib; seqlib.route_mlx_blas(); print(seqlib.blas_status().reason)", SEQLIB_BLAS="0")
     assert result.returncode == 0 and result.stderr == ""
     assert "SEQLIB_BLAS=0" in result.stdout
+
+
+IMPORT_ALONE = """
+    import ctypes, json, os
+    import mlx.core as mx
+    a = mx.random.normal((96, 80), key=mx.random.key(0)); b = mx.random.normal((80, 72), key=mx.random.key(1))
+    before = (a @ b).tolist()
+    import seqlib
+    from seqlib import _blas
+
+    class DlInfo(ctypes.Structure):
+        _fields_ = [("fname", ctypes.c_char_p), ("fbase", ctypes.c_void_p),
+                    ("sname", ctypes.c_char_p), ("saddr", ctypes.c_void_p)]
+
+    libdl = ctypes.CDLL(None)
+    libdl.dladdr.argtypes = [ctypes.c_void_p, ctypes.POINTER(DlInfo)]
+
+    def slot_owners():  # which library each of libmlx.so's cblas_*gemm slots points into
+        path, bias = _blas._loaded_mlx_library()
+        owners = set()
+        for offsets in _blas._gemm_slots(path)[0].values():
+            for offset in offsets:
+                info = DlInfo()
+                libdl.dladdr(ctypes.c_void_p.from_address(bias + offset).value, ctypes.byref(info))
+                owners.add(os.path.basename(info.fname.decode()))
+        return sorted(owners)
+
+    imported = {"owners": slot_owners(), "same_product": (a @ b).tolist() == before,
+                "cache": sorted(os.listdir(os.environ["SEQLIB_CACHE_DIR"])), "routed": seqlib.blas_status().routed}
+    seqlib.route_mlx_blas()
+    print(json.dumps({"imported": imported, "routed_owners": slot_owners()}))
+"""
+
+
+@linux_only
+def test_import_builds_nothing_and_leaves_mlx_alone_until_asked(tmp_path):
+    """``import seqlib`` compiles nothing and rebinds nothing; ``seqlib.route_mlx_blas()`` rebinds."""
+    result = run_python(IMPORT_ALONE, SEQLIB_CACHE_DIR=str(tmp_path), SEQLIB_BLAS="")
+    assert result.returncode == 0, result.stderr
+    outcome = json.loads(result.stdout)
+    imported = outcome["imported"]
+    assert imported["cache"] == [] and not imported["routed"] and imported["same_product"]
+    assert imported["owners"] and not any("blas_shim" in owner for owner in imported["owners"])
+    assert all("blas_shim" in owner for owner in outcome["routed_owners"])
 
 
 @linux_only
@@ -162,6 +209,7 @@ def test_small_products_run_on_one_openblas_thread_and_large_ones_on_all_it_may_
     The shim lowers the thread count for such calls and restores it; it never raises it (threadpoolctl)."""
     result = run_python("""
         import ctypes, os, scipy_openblas32, seqlib, mlx.core as mx
+        seqlib.route_mlx_blas()
         openblas = ctypes.CDLL(os.path.join(scipy_openblas32.get_lib_dir(), "libscipy_openblas.so"))
         last = ctypes.CDLL(seqlib.blas_status().shim_path).seqlib_blas_shim_last_threads
         used, after = [], []
@@ -184,6 +232,7 @@ def test_one_row_or_one_column_products_go_to_gemv_with_every_layout():
     a fresh output must not leak into it (beta = 0)."""
     result = run_python("""
         import ctypes, json, numpy as np, seqlib, mlx.core as mx
+        seqlib.route_mlx_blas()
         calls = ctypes.CDLL(seqlib.blas_status().shim_path).seqlib_blas_shim_calls
         calls.restype = ctypes.c_int64
         rng = np.random.default_rng(0)

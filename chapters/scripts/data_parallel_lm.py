@@ -16,7 +16,7 @@ import sys
 import time
 from pathlib import Path
 
-import seqlib  # first: on Linux it routes MLX's BLAS
+import seqlib
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -26,6 +26,8 @@ from mlx.utils import tree_flatten
 from threadpoolctl import threadpool_limits
 
 from seqlib import data
+
+seqlib.route_mlx_blas()  # on Linux: MLX's matrix products on OpenBLAS, as in the book
 
 BATCH, WINDOW, STEPS, EMBEDDING, HIDDEN = 32, 32, 12, 32, 128
 

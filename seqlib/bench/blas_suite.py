@@ -26,6 +26,7 @@ from seqlib.bench import print_versions
 MLX_AGAINST_NUMPY = """
     import json, time
     import seqlib, mlx.core as mx, numpy as np
+    seqlib.route_mlx_blas()
     n = {size}
     a = mx.random.normal((n, n)); b = mx.random.normal((n, n)); mx.eval(a, b)
     a_np, b_np = np.array(a), np.array(b)

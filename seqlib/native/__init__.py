@@ -15,8 +15,10 @@ kernels, macOS).  A call that no transformation traces runs the forward alone; u
 ``mx.grad`` the forward also saves what the backward primitive needs.
 
 The extension is compiled once per (source, MLX version, nanobind version, Python,
-CPU) with ``g++ -O3 -march=native`` and cached like the BLAS shim (``SEQLIB_CACHE_DIR``,
-default ``~/.cache/seqlib``), taking about half a minute the first time.  It binds to
+CPU, compiler) with ``g++ -O3 -march=native`` by :mod:`seqlib._build` (cached in
+``SEQLIB_CACHE_DIR``, default ``~/.cache/seqlib``, under a file lock), where it is first
+needed, never at import: about half a minute the first time.  Its ``cblas_sgemm`` is the BLAS
+shim's (OpenBLAS), loaded before it, whether or not :func:`seqlib.route_mlx_blas` routed MLX.  It binds to
 MLX's own Python types through nanobind (MLX's nanobind domain ``mlx``), and checks
 itself against the MLX-ops path once it is loaded.  Where it cannot be built or loaded
 (no C++ compiler, no nanobind, another MLX ABI) one :class:`NativeWarning` says why and
@@ -25,17 +27,17 @@ the ops path runs.  ``SEQLIB_NATIVE=0`` turns it off.
 
 from __future__ import annotations
 
-import hashlib
 import importlib.machinery
 import importlib.util
 import os
 import platform
-import shutil
 import subprocess
 import sys
 import sysconfig
 import warnings
 from pathlib import Path
+
+from seqlib import _blas, _build
 
 __all__ = ["ENV_VAR", "NativeWarning", "available", "extension", "module", "reason", "serves"]
 
@@ -65,36 +67,27 @@ def _cpu_key() -> str:
     return "\n".join(lines)
 
 
-def _build(target_dir: Path) -> Path:
-    """Compile the extension unless a build for this MLX, nanobind, Python and CPU is cached; return its path."""
+def _build_extension() -> Path:
+    """Compile the extension unless a build for this MLX, nanobind, Python, CPU and compiler is cached; return its
+    path (:func:`seqlib._build.build_once`: once, under a file lock)."""
     import mlx.core as mx
     import nanobind
 
     mlx_dir = Path(mx.__file__).parent
     suffix = importlib.machinery.EXTENSION_SUFFIXES[0]
-    sources = [path.read_text() for path in (*SOURCES, HEADER)]
-    key_text = "|".join([*sources, mx.__version__, nanobind.__version__, sys.version, _cpu_key(), str(mlx_dir)])
-    key = hashlib.sha256(key_text.encode()).hexdigest()[:16]
-    target = target_dir / f"native-{key}" / f"{_MODULE}{suffix}"
-    if target.exists():
-        return target
-    compiler = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
-    if compiler is None:
-        raise FileNotFoundError("no C++ compiler (g++ or c++) on PATH")
-    target.parent.mkdir(parents=True, exist_ok=True)
-    partial = target.with_name(f"{target.name}.{os.getpid()}.tmp")
+    compiler = _build.find_compiler("c++")
+    key = _build.key_of(*(path.read_text() for path in (*SOURCES, HEADER)), mx.__version__, nanobind.__version__,
+                        sys.version, _cpu_key(), str(mlx_dir), *compiler)  # fmt: skip
+    target = _build.cache_dir() / f"native-{key}" / f"{_MODULE}{suffix}"
     nanobind_dir = Path(nanobind.source_dir()).parent
-    command = [
-        compiler, "-O3", "-march=native", "-ffp-contract=off", "-std=c++20", "-shared", "-fPIC",
+    return _build.build_once(target, lambda partial: [
+        *compiler, "-O3", "-march=native", "-ffp-contract=off", "-std=c++20", "-shared", "-fPIC",
         "-fvisibility=hidden", "-DNB_DOMAIN=mlx", "-DNDEBUG",
         f"-I{nanobind.include_dir()}", f"-I{nanobind_dir / 'ext' / 'robin_map' / 'include'}",
         f"-I{sysconfig.get_paths()['include']}", f"-I{mlx_dir / 'include'}",
         str(Path(nanobind.source_dir()) / "nb_combined.cpp"), *map(str, SOURCES), "-o", str(partial),
         f"-L{mlx_dir / 'lib'}", "-lmlx", f"-Wl,-rpath,{mlx_dir / 'lib'}",
-    ]  # fmt: skip  (cblas_sgemm comes from seqlib's BLAS shim, loaded globally, else from MLX's own BLAS)
-    subprocess.run(command, check=True, capture_output=True)
-    os.replace(partial, target)  # atomic: parallel first uses never load half a file
-    return target
+    ])  # fmt: skip  (cblas_sgemm comes from seqlib's BLAS shim, loaded globally first: seqlib._blas.load_shim)
 
 
 def _load(path: Path):
@@ -151,9 +144,8 @@ def module():
         why = "not Linux: MLX runs seqlib's Metal kernels or its own CPU code there"
     else:
         try:
-            from seqlib._blas import cache_dir
-
-            loaded = _load(_build(cache_dir()))
+            _blas.load_shim()  # the extension's cblas_sgemm binds to it: OpenBLAS, whether MLX is routed or not
+            loaded = _load(_build_extension())
         except (ImportError, OSError, ValueError, TypeError, RuntimeError, subprocess.CalledProcessError) as error:
             detail = (getattr(error, "stderr", b"") or b"").decode(errors="replace")[-300:]
             why = f"{type(error).__name__}: {error} {detail}".strip()

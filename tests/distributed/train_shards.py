@@ -16,13 +16,15 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-import seqlib  # first: routes MLX's BLAS on Linux
+import seqlib
 
 import mlx.core as mx
 import mlx.nn as nn
 import mlx.optimizers
 import numpy as np
 from mlx.utils import tree_flatten
+
+seqlib.route_mlx_blas()  # on Linux: MLX's matrix products on OpenBLAS, as in the book
 
 VOCAB, DIM, HIDDEN, BATCH, LENGTH, STEPS = 40, 8, 16, 8, 6, 3
 CONFIGS = ("adam", "sgd")  # GRU with SparseAdam + Adam; LSTM with seqlib.optim.SGD for every parameter
