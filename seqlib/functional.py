@@ -409,7 +409,7 @@ def embedding_bag(
     if _native_serves(weight, indices) and not scale_grad_by_freq:
         return _native_pool(weight, indices.astype(mx.int32), bounds, mode, flat_weights, padding_idx)
     grad_scale = _inverse_frequency(indices, num_embeddings) if scale_grad_by_freq else None
-    on_host = outside is None and broken is None and host_values(indices) is not None
+    on_host = outside is None and broken is None and all(host_values(a) is not None for a in (indices, offsets))
     if path == "plain" or not on_host:
         return _pool_in_graph(weight, indices, bounds, mode, flat_weights, padding_idx, grad_scale, outside, broken)
     if path == "kernels" and not scale_grad_by_freq:

@@ -152,6 +152,11 @@ def _rnn_inference(x_gates, w_hh, h0, steps, nonlinearity, plain=False):
 
 
 # ----------------------------------------------------------------- training: a custom function with its backward
+#
+# The forwards below add the input side and the recurrent product in two ops, where the
+# inference loops use one mx.addmm.  They run under transformations, mx.vmap among them, and MLX 0.32's
+# AddMM::vmap fails where only c is mapped ("input c must broadcast to the output shape"): the input side
+# of a vmapped sequence is mapped, its zero initial state is not.  (The two agree to float32 rounding.)
 
 
 @functools.lru_cache(maxsize=512)
@@ -169,7 +174,7 @@ def _lstm_sequence_function(batch_sizes: tuple[int, ...], reverse: bool, project
         outputs, activations, tanh_cs, c_prevs, h_prevs = ([None] * num_steps for _ in range(5))
         for t, first, rows in steps:
             h_prev, c_prev = h[:rows], c[:rows]
-            gates = mx.addmm(x_gates[first:first + rows], h_prev, w_hh.T)
+            gates = x_gates[first:first + rows] + h_prev @ w_hh.T  # two ops, not addmm: see above
             h_new, c_new, activations[t], tanh_cs[t] = lstm_pointwise_on(path, gates, c_prev)
             if projected:
                 h_new = h_new @ projection[0].T
@@ -391,7 +396,7 @@ def _rnn_sequence_function(batch_sizes: tuple[int, ...], reverse: bool, nonlinea
         outputs, h_prevs = [None] * num_steps, [None] * num_steps
         for t, first, rows in steps:
             h_prevs[t] = h[:rows]
-            pre = mx.addmm(x_gates[first:first + rows], h_prevs[t], w_hh.T)
+            pre = x_gates[first:first + rows] + h_prevs[t] @ w_hh.T  # two ops, not addmm: see above
             outputs[t] = rnn_activation_on(path, nonlinearity, pre)
             h = _update(h, outputs[t])
         return (_in_time_order(outputs), h, *_saved([h_prevs]))

@@ -129,14 +129,7 @@ def seqlib_tree_flatten(tree):
     return tree_flatten(tree)
 
 
-# MLX 0.32's AddMM::vmap does not broadcast a @ b when only c is mapped (the ops path's first step:
-# x_gates mapped, h0 zeros not), "[addmm] input c must broadcast to the output shape"; the native
-# path has no addmm in its loop.  Strict: when MLX fixes it, this fails and the mark goes.
-_ADDMM_VMAP = pytest.mark.xfail(strict=True, raises=ValueError, reason="MLX 0.32 AddMM::vmap with only c mapped")
-
-
-@pytest.mark.parametrize("name", [pytest.param(name, marks=_ADDMM_VMAP) if name == "LSTM-proj" else name
-                                  for name in CASES])  # fmt: skip
+@pytest.mark.parametrize("name", CASES)
 def test_vmap_equals_a_loop(name):
     module, args = _make(name)
     batched = tuple(mx.stack([arg, arg]) for arg in args)
