@@ -18,7 +18,6 @@ outside the table.
 
 from __future__ import annotations
 
-import functools
 import math
 
 import mlx.core as mx
@@ -26,7 +25,7 @@ import numpy as np
 
 from seqlib import native
 from seqlib.dispatch import path_for
-from seqlib.graph import host_values, is_traced
+from seqlib.graph import host_values
 from seqlib.kernels import bag_kernels, embedding_kernels
 from seqlib._bags import BAG_MODES, bag_bounds, bag_layout, check_bag_mode, flatten_bags
 from seqlib._checks import (
@@ -97,29 +96,7 @@ def _native_pool(weight, indices, bounds, mode, entry_weights, padding_idx) -> m
     weight (V, D) float32; indices (N,) int32 in [0, V); bounds (B + 1,) int32; entry_weights (N,) or None.
     """
     mode_id, padding = BAG_MODES.index(mode), -1 if padding_idx is None else padding_idx
-    weighted = () if entry_weights is None else (entry_weights,)
-    if not is_traced(weight, *weighted):  # inference: the forward alone
-        return native.extension().bag_pool(weight, indices, bounds, entry_weights, mode_id, padding)
-    return _native_pool_function(mode_id, padding, bool(weighted))(weight, indices, bounds, *weighted)
-
-
-@functools.lru_cache(maxsize=64)
-def _native_pool_function(mode_id: int, padding: int, weighted: bool):
-    """The pooling as a custom function: its backward is the C++ backward primitive."""
-    extension = native.extension()
-
-    @mx.custom_function
-    def pool(weight, indices, bounds, *entry_weights):
-        return extension.bag_pool(weight, indices, bounds, *(entry_weights or (None,)), mode_id, padding)
-
-    @pool.vjp
-    def pool_vjp(primals, cotangent, output):
-        weight, indices, bounds, *entry_weights = primals
-        grads = extension.bag_pool_backward(cotangent, weight, indices, bounds, *(entry_weights or (None,)),
-                                            mode_id, padding)  # fmt: skip
-        return (grads[0], mx.zeros_like(indices), mx.zeros_like(bounds), *grads[1:])
-
-    return pool
+    return native.extension().bag_pool(weight, indices, bounds, entry_weights, mode_id, padding)  # with its vjp
 
 
 def _row_norms(rows: mx.array, norm_type: float) -> mx.array:

@@ -174,7 +174,7 @@ def _lstm_sequence_function(batch_sizes: tuple[int, ...], reverse: bool, project
         outputs, activations, tanh_cs, c_prevs, h_prevs = ([None] * num_steps for _ in range(5))
         for t, first, rows in steps:
             h_prev, c_prev = h[:rows], c[:rows]
-            gates = x_gates[first:first + rows] + h_prev @ w_hh.T  # two ops, not addmm: see above
+            gates = x_gates[first:first + rows] + h_prev @ w_hh.T  # not addmm: its vmap fails here
             h_new, c_new, activations[t], tanh_cs[t] = lstm_pointwise_on(path, gates, c_prev)
             if projected:
                 h_new = h_new @ projection[0].T
@@ -212,68 +212,6 @@ def _lstm_sequence_function(batch_sizes: tuple[int, ...], reverse: bool, project
     return forward
 
 
-@functools.lru_cache(maxsize=512)
-def _native_lstm_function(batch_sizes: tuple[int, ...], reverse: bool):
-    """The same custom function on seqlib.native's C++ primitives: the whole loop, forward and backward."""
-    extension, sizes = native.extension(), list(batch_sizes)
-
-    @mx.custom_function
-    def forward(x_gates, w_hh, h0, c0):
-        return tuple(extension.lstm_sequence(x_gates, w_hh, h0, c0, sizes, reverse, True))
-
-    @forward.vjp
-    def backward(primals, cotangents, outputs):
-        w_hh = primals[1]
-        d_output, d_h_n, d_c_n = cotangents[:3]
-        activations, tanh_c, c_prev, h_prev = outputs[3:]
-        d_x_gates, d_h0, d_c0 = extension.lstm_sequence_backward(
-            w_hh, activations, tanh_c, c_prev, d_output, d_h_n, d_c_n, sizes, reverse
-        )
-        return d_x_gates, d_x_gates.T @ h_prev, d_h0, d_c0  # every step's weight gradient in one matmul
-
-    return forward
-
-
-@functools.lru_cache(maxsize=512)
-def _native_gru_function(batch_sizes: tuple[int, ...], reverse: bool):
-    """The GRU's custom function on seqlib.native's C++ primitives."""
-    extension, sizes = native.extension(), list(batch_sizes)
-
-    @mx.custom_function
-    def forward(x_gates, w_hh, b_hh, h0):
-        return tuple(extension.gru_sequence(x_gates, w_hh, b_hh, h0, sizes, reverse, True))
-
-    @forward.vjp
-    def backward(primals, cotangents, outputs):
-        d_output, d_h_n = cotangents[:2]
-        activations, hidden_side, h_prev = outputs[2:]
-        d_x_gates, d_hidden_side, d_h0 = extension.gru_sequence_backward(
-            primals[1], activations, hidden_side, h_prev, d_output, d_h_n, sizes, reverse
-        )
-        return d_x_gates, d_hidden_side.T @ h_prev, d_hidden_side.sum(axis=0), d_h0
-
-    return forward
-
-
-@functools.lru_cache(maxsize=512)
-def _native_rnn_function(batch_sizes: tuple[int, ...], reverse: bool, relu: bool):
-    """The Elman RNN's custom function on seqlib.native's C++ primitives."""
-    extension, sizes = native.extension(), list(batch_sizes)
-
-    @mx.custom_function
-    def forward(x_gates, w_hh, h0):
-        return tuple(extension.rnn_sequence(x_gates, w_hh, h0, sizes, reverse, relu, True))
-
-    @forward.vjp
-    def backward(primals, cotangents, outputs):
-        d_output, d_h_n = cotangents[:2]
-        output, h_prev = outputs[0], outputs[2]
-        d_x_gates, d_h0 = extension.rnn_sequence_backward(primals[1], output, d_output, d_h_n, sizes, reverse, relu)
-        return d_x_gates, d_x_gates.T @ h_prev, d_h0
-
-    return forward
-
-
 def _check_lstm_sequence(x_gates, w_hh, h0, c0, batch_sizes, w_hr) -> tuple[int, ...]:
     """Check lstm_sequence's arguments against each other; returns the batch sizes as a tuple."""
     batch, hidden_size = check_state("c0", c0)
@@ -301,11 +239,9 @@ def lstm_sequence(x_gates, w_hh, h0, c0, batch_sizes, reverse=False, w_hr=None):
     if path == "plain":
         return _lstm_inference(x_gates, w_hh, h0, c0, _steps(batch_sizes, reverse), w_hr, plain=True)
     traced = is_traced(x_gates, w_hh, h0, c0, *projection)
-    if path == "native" and w_hr is None:
+    if path == "native" and w_hr is None:  # the primitive saves what its own vjp needs where traced
         extension = native.extension()
-        if not traced:  # inference: the forward alone, nothing saved
-            return tuple(extension.lstm_sequence(x_gates, w_hh, h0, c0, list(batch_sizes), reverse, False))
-        return _native_lstm_function(batch_sizes, reverse)(x_gates, w_hh, h0, c0)[:3]
+        return tuple(extension.lstm_sequence(x_gates, w_hh, h0, c0, list(batch_sizes), reverse, traced)[:3])
     if path != "kernels" and not traced:
         return _lstm_inference(x_gates, w_hh, h0, c0, _steps(batch_sizes, reverse), w_hr)
     function = _lstm_sequence_function(batch_sizes, reverse, w_hr is not None, path == "kernels")
@@ -372,10 +308,8 @@ def gru_sequence(x_gates, w_hh, b_hh, h0, batch_sizes, reverse=False):
         return _gru_inference(x_gates, w_hh, b_hh, h0, _steps(batch_sizes, reverse), plain=True)
     traced = is_traced(x_gates, w_hh, b_hh, h0)
     if path == "native":
-        if not traced:
-            extension = native.extension()
-            return tuple(extension.gru_sequence(x_gates, w_hh, b_hh, h0, list(batch_sizes), reverse, False))
-        return _native_gru_function(batch_sizes, reverse)(x_gates, w_hh, b_hh, h0)[:2]
+        extension = native.extension()
+        return tuple(extension.gru_sequence(x_gates, w_hh, b_hh, h0, list(batch_sizes), reverse, traced)[:2])
     if path != "kernels" and not traced:
         return _gru_inference(x_gates, w_hh, b_hh, h0, _steps(batch_sizes, reverse))
     function = _gru_sequence_function(batch_sizes, reverse, path == "kernels")
@@ -396,7 +330,7 @@ def _rnn_sequence_function(batch_sizes: tuple[int, ...], reverse: bool, nonlinea
         outputs, h_prevs = [None] * num_steps, [None] * num_steps
         for t, first, rows in steps:
             h_prevs[t] = h[:rows]
-            pre = x_gates[first:first + rows] + h_prevs[t] @ w_hh.T  # two ops, not addmm: see above
+            pre = x_gates[first:first + rows] + h_prevs[t] @ w_hh.T  # not addmm: its vmap fails here
             outputs[t] = rnn_activation_on(path, nonlinearity, pre)
             h = _update(h, outputs[t])
         return (_in_time_order(outputs), h, *_saved([h_prevs]))
@@ -433,11 +367,8 @@ def rnn_sequence(x_gates, w_hh, h0, batch_sizes, reverse=False, nonlinearity="ta
         return _rnn_inference(x_gates, w_hh, h0, _steps(batch_sizes, reverse), nonlinearity, plain=True)
     traced = is_traced(x_gates, w_hh, h0)
     if path == "native":
-        relu = nonlinearity == "relu"
-        if not traced:
-            extension = native.extension()
-            return tuple(extension.rnn_sequence(x_gates, w_hh, h0, list(batch_sizes), reverse, relu, False))
-        return _native_rnn_function(batch_sizes, reverse, relu)(x_gates, w_hh, h0)[:2]
+        extension, relu = native.extension(), nonlinearity == "relu"
+        return tuple(extension.rnn_sequence(x_gates, w_hh, h0, list(batch_sizes), reverse, relu, traced)[:2])
     if path != "kernels" and not traced:
         return _rnn_inference(x_gates, w_hh, h0, _steps(batch_sizes, reverse), nonlinearity)
     function = _rnn_sequence_function(batch_sizes, reverse, nonlinearity, path == "kernels")

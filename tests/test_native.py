@@ -74,8 +74,8 @@ def test_forward_saved_arrays_and_backward_equal_the_ops_path(lengths, hidden_si
     assert len(outputs) == 7 and len(inference) == 3
     for ours, theirs in zip([*outputs, *inference], [*want_outputs, *want_outputs[:3]], strict=True):
         np.testing.assert_allclose(np.array(ours), np.array(theirs), **TOLERANCE)
-    _, grads = mx.vjp(lambda *a: scan._native_lstm_function(batch_sizes, reverse)(*a)[:3], arguments,
-                      cotangents)  # fmt: skip
+    _, grads = mx.vjp(lambda *a: extension.lstm_sequence(*a, batch_sizes, reverse, True)[:3], arguments,
+                      cotangents)  # fmt: skip  (the primitive's own vjp)
     for ours, theirs, name in zip(grads, want_grads, ["x_gates", "w_hh", "h0", "c0"], strict=True):
         np.testing.assert_allclose(np.array(ours), np.array(theirs), **GRADIENT_TOLERANCE, err_msg=name)
 
@@ -97,11 +97,12 @@ def test_gru_and_rnn_outputs_and_gradients_equal_the_ops_path(lengths, hidden_si
     if kind == "GRU":
         arguments.append(random((3 * hidden_size,), seed + 2))
         ops = scan._gru_sequence_function(batch_sizes, reverse, False)
-        ours = scan._native_gru_function(batch_sizes, reverse)
+        ours = lambda *a: native.extension().gru_sequence(*a, list(batch_sizes), reverse, True)  # its own vjp
     else:
         nonlinearity = kind.split()[1]
         ops = scan._rnn_sequence_function(batch_sizes, reverse, nonlinearity, False)
-        ours = scan._native_rnn_function(batch_sizes, reverse, nonlinearity == "relu")
+        relu = nonlinearity == "relu"
+        ours = lambda *a: native.extension().rnn_sequence(*a, list(batch_sizes), reverse, relu, True)  # its own vjp
     arguments.append(random((batch, hidden_size), seed + 3))
     cotangents = [random((rows, hidden_size), seed + 4), random((batch, hidden_size), seed + 5)]
     results = []

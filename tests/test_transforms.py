@@ -304,3 +304,21 @@ def test_loading_a_cells_keys_into_a_layer_suggests_the_l0_names():
     cell_weights = seqlib.nn.LSTMCell(D, H).torch_state_dict()
     with pytest.raises(ValueError, match=r"rename 'bias_hh' -> 'bias_hh_l0'.*or load the cell's weights into a cell"):
         seqlib.nn.LSTM(D, H).load_torch_state_dict(cell_weights)
+
+
+@pytest.mark.parametrize("name", ["LSTM", "GRU", "RNN-relu", "EmbeddingBag-sum-offsets"])
+def test_gradient_of_a_vmap_equals_a_sum_of_gradients(name):
+    """The primitives carry their own vjp, so a gradient through mx.vmap runs them (once per mapped index)."""
+    module, args = _make(name)
+    first = args[0]
+    batched = mx.stack([first, first * 0.5 if mx.issubdtype(first.dtype, mx.floating) else first])
+    weight_name = "weight" if name.startswith("Embedding") else "weight_hh_l0"
+    weight = module.parameters()[weight_name]
+
+    def loss(weight, inputs):
+        module.update({weight_name: weight})
+        return _first(module(inputs, *args[1:])).square().sum()
+
+    mapped = mx.grad(lambda w: mx.vmap(lambda x: loss(w, x))(batched).sum())(weight)
+    looped = sum(mx.grad(loss)(weight, batched[k]) for k in range(2))
+    _close(mapped, looped, atol=1e-4)

@@ -356,13 +356,37 @@ std::vector<const mx::array*> with_weights(std::vector<const mx::array*> inputs,
   return inputs;
 }
 
+// The forward's vector-Jacobian product: the backward loop (the table's gradient, and the entry
+// weights'); indices and bounds are integers and have none (zeros where MLX asks).
+// primals: weight, indices, bounds [, entry_weights]; cotangents: (B, D)
+std::vector<mx::array> pool_vjp(const Bag& bag, const std::vector<mx::array>& primals,
+                                const std::vector<mx::array>& cotangents, const std::vector<int>& argnums,
+                                const std::vector<mx::array>&) {
+  std::vector<mx::Shape> shapes = {primals[0].shape()};
+  std::vector<const mx::array*> inputs = {&cotangents[0], &primals[0], &primals[1], &primals[2]};
+  if (bag.weighted) {
+    shapes.push_back(primals[3].shape());
+    inputs.push_back(&primals[3]);
+  }
+  std::vector<mx::Dtype> dtypes(shapes.size(), mx::float32);
+  auto d = seqlib_cpu::make_loop("EmbeddingBagPoolBackward", pool_backward, std::move(shapes), std::move(dtypes),
+                                 inputs, bag);
+  std::vector<mx::array> grads;
+  for (int argnum : argnums) {
+    if (argnum == 0) grads.push_back(d[0]);
+    else if (argnum == 3) grads.push_back(d[1]);
+    else grads.push_back(mx::zeros_like(primals[argnum], seqlib_cpu::cpu_stream()));
+  }
+  return grads;
+}
+
 mx::array bag_pool(const mx::array& weight, const mx::array& indices, const mx::array& bounds,
                    const std::optional<mx::array>& entry_weights, int mode, int padding_idx) {
   check_bag_arrays(weight, indices, bounds, entry_weights);
   const int bags = bounds.shape(0) - 1, dim = weight.shape(1);
   return seqlib_cpu::make_loop("EmbeddingBagPool", pool_forward, {{bags, dim}}, {mx::float32},
                                with_weights({&weight, &indices, &bounds}, entry_weights),
-                               Bag{mode, padding_idx, entry_weights.has_value()})[0];
+                               Bag{mode, padding_idx, entry_weights.has_value()}, pool_vjp)[0];
 }
 
 std::vector<mx::array> bag_pool_backward(const mx::array& cotangent, const mx::array& weight,

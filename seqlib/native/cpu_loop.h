@@ -43,11 +43,15 @@ template <class Params>
 class CpuLoop : public mx::Primitive {
  public:
   using Runner = void (*)(std::vector<mx::array>& ins, std::vector<mx::array>& outs, const Params& params);
+  // The vector-Jacobian product, as MLX's Primitive::vjp: one array per entry of argnums.
+  using Vjp = std::vector<mx::array> (*)(const Params& params, const std::vector<mx::array>& primals,
+                                         const std::vector<mx::array>& cotangents, const std::vector<int>& argnums,
+                                         const std::vector<mx::array>& outputs);
 
   CpuLoop(mx::Stream stream, const char* name, Runner runner, Params params, std::vector<mx::Shape> shapes,
-          std::vector<mx::Dtype> dtypes)
+          std::vector<mx::Dtype> dtypes, Vjp vjp = nullptr)
       : mx::Primitive(stream), name_(name), runner_(runner), params_(std::move(params)), shapes_(std::move(shapes)),
-        dtypes_(std::move(dtypes)) {}
+        dtypes_(std::move(dtypes)), vjp_(vjp) {}
 
   void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override {
     for (auto& out : outputs) {
@@ -87,7 +91,7 @@ class CpuLoop : public mx::Primitive {
         slice.push_back(axes[i] >= 0 ? mx::contiguous(mx::take(inputs[i], k, axes[i], stream()), false, stream())
                                      : inputs[i]);
       }
-      auto loop = std::make_shared<CpuLoop>(stream(), name_, runner_, params_, shapes_, dtypes_);
+      auto loop = std::make_shared<CpuLoop>(stream(), name_, runner_, params_, shapes_, dtypes_, vjp_);
       auto outputs = mx::array::make_arrays(shapes_, dtypes_, loop, slice);
       for (size_t j = 0; j < outputs.size(); ++j) results[j].push_back(outputs[j]);
     }
@@ -101,28 +105,32 @@ class CpuLoop : public mx::Primitive {
     throw std::invalid_argument(unsupported("mx.jvp"));  // forward mode: not written
   }
 
-  std::vector<mx::array> vjp(const std::vector<mx::array>&, const std::vector<mx::array>&, const std::vector<int>&,
-                             const std::vector<mx::array>&) override {
-    throw std::invalid_argument(unsupported("A second derivative (or a gradient of mx.vmap)"));
+  std::vector<mx::array> vjp(const std::vector<mx::array>& primals, const std::vector<mx::array>& cotangents,
+                             const std::vector<int>& argnums, const std::vector<mx::array>& outputs) override {
+    if (vjp_ == nullptr) throw std::invalid_argument(unsupported("A second derivative"));
+    return vjp_(params_, primals, cotangents, argnums, outputs);
   }
+
+  std::vector<mx::Shape> output_shapes(const std::vector<mx::array>&) override { return shapes_; }
 
   bool is_equivalent(const mx::Primitive& other) const override {
     auto& o = static_cast<const CpuLoop&>(other);
-    return runner_ == o.runner_ && params_ == o.params_;
+    return runner_ == o.runner_ && vjp_ == o.vjp_ && params_ == o.params_ && shapes_ == o.shapes_;
   }
 
  private:
   std::string unsupported(const char* what) const {
     return std::string(what) + " through seqlib's C++ CPU primitive " + name_ +
-           " is not supported (gradients and mx.vmap are, but not their compositions); set SEQLIB_NATIVE=0 "
+           " is not supported (gradients, mx.vmap and their compositions are); set SEQLIB_NATIVE=0 "
            "to run the MLX-ops path, which supports it";
   }
 
   const char* name_;
   Runner runner_;
   Params params_;
-  std::vector<mx::Shape> shapes_;  // of the outputs, for vmap
+  std::vector<mx::Shape> shapes_;  // of the outputs (they follow from Params and the inputs' shapes)
   std::vector<mx::Dtype> dtypes_;
+  Vjp vjp_;  // nullptr: no gradient (a backward loop, a check)
 };
 
 inline mx::Stream cpu_stream() { return mx::default_stream(mx::Device(mx::Device::cpu)); }
@@ -131,14 +139,15 @@ inline mx::Stream cpu_stream() { return mx::default_stream(mx::Device(mx::Device
 template <class Params>
 std::vector<mx::array> make_loop(const char* name, typename CpuLoop<Params>::Runner runner,
                                  std::vector<mx::Shape> shapes, std::vector<mx::Dtype> dtypes,
-                                 const std::vector<const mx::array*>& inputs, Params params) {
+                                 const std::vector<const mx::array*>& inputs, Params params,
+                                 typename CpuLoop<Params>::Vjp vjp = nullptr) {
   auto s = cpu_stream();
   std::vector<mx::array> contiguous;
   for (auto* array : inputs) {  // an evaluated row-contiguous array (a weight, a state) is used as it is
     const bool ready = array->is_available() && array->flags().row_contiguous;
     contiguous.push_back(ready ? *array : mx::contiguous(*array, false, s));
   }
-  auto primitive = std::make_shared<CpuLoop<Params>>(s, name, runner, std::move(params), shapes, dtypes);
+  auto primitive = std::make_shared<CpuLoop<Params>>(s, name, runner, std::move(params), shapes, dtypes, vjp);
   return mx::array::make_arrays(std::move(shapes), std::move(dtypes), primitive, contiguous);
 }
 

@@ -348,12 +348,81 @@ void check_steps(const char* op, const std::vector<int>& batch_sizes, int batch,
 }
 
 // The outputs of a recurrent loop: float32 arrays of the given shapes.
+std::vector<mx::array> run_loop(const char* name, seqlib_cpu::CpuLoop<Loop>::Runner runner,
+                                std::vector<mx::Shape> shapes, std::vector<const mx::array*> inputs, Loop loop,
+                                seqlib_cpu::CpuLoop<Loop>::Vjp vjp = nullptr) {
+  std::vector<mx::Dtype> dtypes(shapes.size(), mx::float32);
+  return seqlib_cpu::make_loop(name, runner, std::move(shapes), std::move(dtypes), inputs, std::move(loop), vjp);
+}
+
 std::vector<mx::array> sequence(const char* name, seqlib_cpu::CpuLoop<Loop>::Runner runner,
                                 std::vector<mx::Shape> shapes, std::vector<const mx::array*> inputs,
-                                const std::vector<int>& batch_sizes, bool reverse, int option) {
-  std::vector<mx::Dtype> dtypes(shapes.size(), mx::float32);
-  return seqlib_cpu::make_loop(name, runner, std::move(shapes), std::move(dtypes), inputs,
-                               Loop{steps_of(batch_sizes, reverse), option});
+                                const std::vector<int>& batch_sizes, bool reverse, int option,
+                                seqlib_cpu::CpuLoop<Loop>::Vjp vjp = nullptr) {
+  return run_loop(name, runner, std::move(shapes), std::move(inputs), Loop{steps_of(batch_sizes, reverse), option},
+                  vjp);
+}
+
+// ----------------------------------------------------------------- the forwards' vector-Jacobian products
+//
+// Each forward that saved its activations (save) differentiates itself: the backward loop over the
+// same steps, then every step's weight gradient in one matmul (d_gates^T h_prev), as MLX operations.
+// The cotangents of the saved arrays are ignored (they are seqlib's own, never read downstream).
+
+void require_saved(const Loop& loop, const char* op) {
+  if (!(loop.option & kSave)) {
+    throw std::invalid_argument(std::string(op) + ": this call saved nothing for a backward (save=False); "
+                                "call it with save=True to differentiate it");
+  }
+}
+
+// The gradient of each primal that argnums asks for, from a table of them in input order.
+std::vector<mx::array> pick(const std::vector<int>& argnums, const std::vector<mx::array>& by_input) {
+  std::vector<mx::array> grads;
+  for (int argnum : argnums) grads.push_back(by_input.at(argnum));
+  return grads;
+}
+
+// primals: x_gates, w_hh, h0, c0; outputs: output, h_n, c_n, activations, tanh_c, c_prev, h_prev
+std::vector<mx::array> lstm_vjp(const Loop& loop, const std::vector<mx::array>& primals,
+                                const std::vector<mx::array>& cotangents, const std::vector<int>& argnums,
+                                const std::vector<mx::array>& outputs) {
+  require_saved(loop, "lstm_sequence");
+  const auto s = seqlib_cpu::cpu_stream();
+  const int n = primals[0].shape(0), b = primals[2].shape(0), h = primals[2].shape(1);
+  auto d = run_loop("LSTMSequenceBackward", lstm_backward, {{n, 4 * h}, {b, h}, {b, h}},
+                    {&primals[1], &outputs[3], &outputs[4], &outputs[5], &cotangents[0], &cotangents[1],
+                     &cotangents[2]},
+                    Loop{loop.steps, 0});
+  mx::array d_w_hh = mx::matmul(mx::transpose(d[0], s), outputs[6], s);
+  return pick(argnums, {d[0], d_w_hh, d[1], d[2]});
+}
+
+// primals: x_gates, w_hh, b_hh, h0; outputs: output, h_n, activations, hidden_side, h_prev
+std::vector<mx::array> gru_vjp(const Loop& loop, const std::vector<mx::array>& primals,
+                               const std::vector<mx::array>& cotangents, const std::vector<int>& argnums,
+                               const std::vector<mx::array>& outputs) {
+  require_saved(loop, "gru_sequence");
+  const auto s = seqlib_cpu::cpu_stream();
+  const int n = primals[0].shape(0), b = primals[3].shape(0), h = primals[3].shape(1);
+  auto d = run_loop("GRUSequenceBackward", gru_backward, {{n, 3 * h}, {n, 3 * h}, {b, h}},
+                    {&primals[1], &outputs[2], &outputs[3], &outputs[4], &cotangents[0], &cotangents[1]},
+                    Loop{loop.steps, 0});
+  mx::array d_w_hh = mx::matmul(mx::transpose(d[1], s), outputs[4], s);
+  return pick(argnums, {d[0], d_w_hh, mx::sum(d[1], 0, false, s), d[2]});
+}
+
+// primals: x_gates, w_hh, h0; outputs: output, h_n, h_prev
+std::vector<mx::array> rnn_vjp(const Loop& loop, const std::vector<mx::array>& primals,
+                               const std::vector<mx::array>& cotangents, const std::vector<int>& argnums,
+                               const std::vector<mx::array>& outputs) {
+  require_saved(loop, "rnn_sequence");
+  const auto s = seqlib_cpu::cpu_stream();
+  const int n = primals[0].shape(0), b = primals[2].shape(0), h = primals[2].shape(1);
+  auto d = run_loop("RNNSequenceBackward", rnn_backward, {{n, h}, {b, h}},
+                    {&primals[1], &outputs[0], &cotangents[0], &cotangents[1]}, Loop{loop.steps, loop.option & kRelu});
+  mx::array d_w_hh = mx::matmul(mx::transpose(d[0], s), outputs[2], s);
+  return pick(argnums, {d[0], d_w_hh, d[1]});
 }
 
 std::vector<mx::array> lstm_sequence(const mx::array& x_gates, const mx::array& w_hh, const mx::array& h0,
@@ -368,7 +437,7 @@ std::vector<mx::array> lstm_sequence(const mx::array& x_gates, const mx::array& 
   std::vector<mx::Shape> shapes = {{n, h}, {b, h}, {b, h}};
   if (save) shapes.insert(shapes.end(), {{n, 4 * h}, {n, h}, {n, h}, {n, h}});
   return sequence("LSTMSequence", lstm_forward, shapes, {&x_gates, &w_hh, &h0, &c0}, batch_sizes, reverse,
-                  save ? kSave : 0);
+                  save ? kSave : 0, lstm_vjp);
 }
 
 std::vector<mx::array> lstm_sequence_backward(const mx::array& w_hh, const mx::array& activations,
@@ -401,7 +470,7 @@ std::vector<mx::array> gru_sequence(const mx::array& x_gates, const mx::array& w
   std::vector<mx::Shape> shapes = {{n, h}, {b, h}};
   if (save) shapes.insert(shapes.end(), {{n, 3 * h}, {n, 3 * h}, {n, h}});
   return sequence("GRUSequence", gru_forward, shapes, {&x_gates, &w_hh, &b_hh, &h0}, batch_sizes, reverse,
-                  save ? kSave : 0);
+                  save ? kSave : 0, gru_vjp);
 }
 
 std::vector<mx::array> gru_sequence_backward(const mx::array& w_hh, const mx::array& activations,
@@ -433,7 +502,7 @@ std::vector<mx::array> rnn_sequence(const mx::array& x_gates, const mx::array& w
   std::vector<mx::Shape> shapes = {{n, h}, {b, h}};
   if (save) shapes.push_back({n, h});
   return sequence("RNNSequence", rnn_forward, shapes, {&x_gates, &w_hh, &h0}, batch_sizes, reverse,
-                  (save ? kSave : 0) | (relu ? kRelu : 0));
+                  (save ? kSave : 0) | (relu ? kRelu : 0), rnn_vjp);
 }
 
 std::vector<mx::array> rnn_sequence_backward(const mx::array& w_hh, const mx::array& output, const mx::array& d_output,
