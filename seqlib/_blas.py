@@ -42,7 +42,7 @@ from pathlib import Path
 from seqlib import _build
 
 ENV_VAR = "SEQLIB_BLAS"
-SHIM_SOURCE = Path(__file__).with_name("_blas_shim.c")
+SHIM_SOURCE = _build.SHIM_SOURCE
 ROUTED_NAMES = ("cblas_sgemm", "cblas_dgemm", "cblas_cgemm")
 
 
@@ -73,13 +73,13 @@ def _openblas_dir() -> str:
 
 
 def _build_shim(openblas_dir: str) -> Path:
-    """Compile the shim once per (source, OpenBLAS location, compiler); return its path."""
-    compiler = _build.find_compiler("c")
-    target = cache_dir() / f"blas_shim-{_build.key_of(SHIM_SOURCE.read_bytes(), openblas_dir, *compiler)}.so"
-    return _build.build_once(target, lambda partial: [
-        *compiler, "-O2", "-shared", "-fPIC", "-fvisibility=hidden", "-pthread", str(SHIM_SOURCE), "-o", str(partial),
-        f"-L{openblas_dir}", "-lscipy_openblas", f"-Wl,-rpath,{openblas_dir}",
-    ])  # fmt: skip
+    """The shim built at install (where its key matches), else compiled once into the cache."""
+    key = _build.shim_key(openblas_dir)
+    packaged = _build.prebuilt(_build.PACKAGE_DIR / _build.SHIM_NAME, key)
+    if packaged is not None:
+        return packaged
+    target = cache_dir() / f"blas_shim-{_build.key_of(key, *_build.find_compiler('c'))}.so"
+    return _build.build_once(target, lambda partial: _build.shim_command(openblas_dir, partial))
 
 
 def load_shim() -> ctypes.CDLL:
@@ -89,7 +89,10 @@ def load_shim() -> ctypes.CDLL:
     cannot be built or loaded."""
     global _shim
     if _shim is None:
-        _shim = ctypes.CDLL(str(_build_shim(_openblas_dir())), mode=ctypes.RTLD_GLOBAL)
+        openblas_dir = _openblas_dir()
+        # Loaded first, by path: a shim built at install found it through a build folder that is gone.
+        ctypes.CDLL(os.path.join(openblas_dir, "libscipy_openblas.so"), mode=ctypes.RTLD_GLOBAL)
+        _shim = ctypes.CDLL(str(_build_shim(openblas_dir)), mode=ctypes.RTLD_GLOBAL)
     return _shim
 
 

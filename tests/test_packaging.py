@@ -113,6 +113,20 @@ def test_wheel_installs_and_finds_its_kernel_sources(tmp_path):
     assert installed_kernels.split(",") == seqlib.kernels.kernel_names()  # every kernel and the shared header
     assert int(header_length) > 100
 
+    if sys.platform == "linux":  # the C++ primitives and the BLAS shim were built with the wheel: no compiler needed
+        no_compiler = {key: value for key, value in os.environ.items() if key not in ("CC", "CXX")}
+        no_compiler.update(PATH="/nonexistent", SEQLIB_CACHE_DIR=str(tmp_path / "empty-cache"))
+        prebuilt = subprocess.run(
+            [python, "-c", f"import sys; sys.path.append({deps!r}); import seqlib, mlx.core as mx; "
+             "from seqlib import native; print(seqlib.route_mlx_blas().routed, native.available(), "
+             "native.module().__file__); layer = seqlib.nn.GRU(3, 4); mx.eval(layer(mx.ones((2, 1, 3)))[0])"],
+            capture_output=True, text=True, cwd=tmp_path, env=no_compiler,
+        )  # fmt: skip
+        assert prebuilt.returncode == 0, prebuilt.stderr[-3000:]
+        routed, available, native_file = prebuilt.stdout.split()
+        assert routed == "True" and available == "True" and native_file.startswith(str(env_dir)), prebuilt.stdout
+        assert not (tmp_path / "empty-cache").exists() or not any((tmp_path / "empty-cache").iterdir())
+
     # The emulation ships with its C++ header and runs a kernel from the install (compiled afresh there).
     emulated = subprocess.run(
         [python, "-c", EMULATED_LSTM_CELL, deps], capture_output=True, text=True, cwd=tmp_path,

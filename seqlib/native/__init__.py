@@ -14,10 +14,11 @@ rounding and stays in place everywhere else (other dtypes, a projected LSTM, the
 kernels, macOS).  A call that no transformation traces runs the forward alone; under
 ``mx.grad`` the forward also saves what the backward primitive needs.
 
-The extension is compiled once per (source, MLX version, nanobind version, Python,
-CPU, compiler) with ``g++ -O3 -march=native`` by :mod:`seqlib._build` (cached in
-``SEQLIB_CACHE_DIR``, default ``~/.cache/seqlib``, under a file lock), where it is first
-needed, never at import: about half a minute the first time.  Its ``cblas_sgemm`` is the BLAS
+The extension is compiled with ``g++ -O3 -march=native`` by :mod:`seqlib._build` when the
+package is installed (``setup.py``: about half a minute), and used where it was built for
+this MLX version, nanobind version, Python, CPU and sources; otherwise (MLX upgraded since,
+another machine, edited sources) it is compiled where it is first needed, never at import,
+once into ``SEQLIB_CACHE_DIR`` (default ``~/.cache/seqlib``) under a file lock.  Its ``cblas_sgemm`` is the BLAS
 shim's (OpenBLAS), loaded before it, whether or not :func:`seqlib.route_mlx_blas` routed MLX.  It binds to
 MLX's own Python types through nanobind (MLX's nanobind domain ``mlx``), and checks
 itself against the MLX-ops path once it is loaded.  Where it cannot be built or loaded
@@ -30,10 +31,8 @@ from __future__ import annotations
 import importlib.machinery
 import importlib.util
 import os
-import platform
 import subprocess
 import sys
-import sysconfig
 import warnings
 from pathlib import Path
 
@@ -44,10 +43,9 @@ __all__ = ["ENV_VAR", "NativeWarning", "available", "extension", "module", "reas
 #: The environment variable that turns the primitives off (SEQLIB_NATIVE=0).
 ENV_VAR = "SEQLIB_NATIVE"
 #: The C++ sources, compiled into one module (module.cpp binds the others' operations).
-SOURCES = tuple(Path(__file__).with_name(name)
-                for name in ("module.cpp", "recurrent_cpu.cpp", "bags_cpu.cpp", "checks_cpu.cpp"))  # fmt: skip
-HEADER = Path(__file__).with_name("cpu_loop.h")
-_MODULE = "_seqlib_cpu"
+SOURCES = _build.NATIVE_SOURCES
+HEADER = _build.NATIVE_HEADER
+_MODULE = _build.NATIVE_MODULE
 
 
 class NativeWarning(RuntimeWarning):
@@ -57,37 +55,20 @@ class NativeWarning(RuntimeWarning):
 _state: dict = {}  # "module" (the loaded extension or None) and "reason", once decided
 
 
-def _cpu_key() -> str:
-    """What -march=native depends on: the CPU model and its flags."""
-    try:
-        with open("/proc/cpuinfo") as file:
-            lines = [line for line in file.read().splitlines()[:40] if line.startswith(("model name", "flags"))]
-    except OSError:
-        lines = [platform.processor()]
-    return "\n".join(lines)
-
-
 def _build_extension() -> Path:
-    """Compile the extension unless a build for this MLX, nanobind, Python, CPU and compiler is cached; return its
-    path (:func:`seqlib._build.build_once`: once, under a file lock)."""
+    """The extension built at install (where its key matches this MLX, nanobind, Python and CPU), else compiled
+    once into the cache (:func:`seqlib._build.build_once`: under a file lock)."""
     import mlx.core as mx
     import nanobind
 
-    mlx_dir = Path(mx.__file__).parent
+    key = _build.native_key(mx.__version__, nanobind.__version__)
     suffix = importlib.machinery.EXTENSION_SUFFIXES[0]
-    compiler = _build.find_compiler("c++")
-    key = _build.key_of(*(path.read_text() for path in (*SOURCES, HEADER)), mx.__version__, nanobind.__version__,
-                        sys.version, _cpu_key(), str(mlx_dir), *compiler)  # fmt: skip
-    target = _build.cache_dir() / f"native-{key}" / f"{_MODULE}{suffix}"
-    nanobind_dir = Path(nanobind.source_dir()).parent
-    return _build.build_once(target, lambda partial: [
-        *compiler, "-O3", "-march=native", "-ffp-contract=off", "-std=c++20", "-shared", "-fPIC",
-        "-fvisibility=hidden", "-DNB_DOMAIN=mlx", "-DNDEBUG",
-        f"-I{nanobind.include_dir()}", f"-I{nanobind_dir / 'ext' / 'robin_map' / 'include'}",
-        f"-I{sysconfig.get_paths()['include']}", f"-I{mlx_dir / 'include'}",
-        str(Path(nanobind.source_dir()) / "nb_combined.cpp"), *map(str, SOURCES), "-o", str(partial),
-        f"-L{mlx_dir / 'lib'}", "-lmlx", f"-Wl,-rpath,{mlx_dir / 'lib'}",
-    ])  # fmt: skip  (cblas_sgemm comes from seqlib's BLAS shim, loaded globally first: seqlib._blas.load_shim)
+    packaged = _build.prebuilt(Path(__file__).with_name(f"{_MODULE}{suffix}"), key)
+    if packaged is not None:
+        return packaged
+    mlx_dir = Path(mx.__file__).parent
+    target = _build.cache_dir() / f"native-{_build.key_of(key, str(mlx_dir), *_build.find_compiler('c++'))}"
+    return _build.build_once(target / f"{_MODULE}{suffix}", lambda partial: _build.native_command(mlx_dir, partial))
 
 
 def _load(path: Path):

@@ -3,11 +3,11 @@
 from seqlib.nn import utils
 from seqlib.nn.cells import GRUCell, LSTMCell, RNNCell
 from seqlib.nn.embedding import Embedding, EmbeddingBag
-from seqlib.nn.quantized import QuantizedEmbedding, QuantizedEmbeddingBag
+from seqlib.nn.quantized import QuantizedEmbedding, QuantizedEmbeddingBag, QuantizedRecurrent
 from seqlib.nn.recurrent import GRU, LSTM, RNN
 from seqlib.nn.state_dict import IncompatibleKeys, sub_state_dict
 
 __all__ = [
     "GRU", "LSTM", "RNN", "Embedding", "EmbeddingBag", "GRUCell", "IncompatibleKeys", "LSTMCell",
-    "QuantizedEmbedding", "QuantizedEmbeddingBag", "RNNCell", "sub_state_dict", "utils",
+    "QuantizedEmbedding", "QuantizedEmbeddingBag", "QuantizedRecurrent", "RNNCell", "sub_state_dict", "utils",
 ]  # fmt: skip

@@ -1,4 +1,4 @@
-"""Quantized lookup tables for inference: what ``mlx.nn.quantize`` makes of seqlib's tables.
+"""Quantized tables and recurrent layers for inference: what ``mlx.nn.quantize`` makes of seqlib's modules.
 
 ``mlx.nn.quantize(model)`` replaces every module that has a ``to_quantized`` method by what that
 method returns; :class:`seqlib.nn.Embedding` and :class:`seqlib.nn.EmbeddingBag` return these.  Each
@@ -11,12 +11,14 @@ are for inference, as with ``mlx.nn.QuantizedEmbedding`` and torch's dynamic qua
 
 from __future__ import annotations
 
+import copy
+
 import mlx.core as mx
 import mlx.nn as nn
 
 from seqlib import functional as F
 
-__all__ = ["QuantizedEmbedding", "QuantizedEmbeddingBag"]
+__all__ = ["QuantizedEmbedding", "QuantizedEmbeddingBag", "QuantizedRecurrent"]
 
 
 class _QuantizedTable(nn.Module):
@@ -92,3 +94,74 @@ class QuantizedEmbeddingBag(_QuantizedTable):
 
     def _extra_repr(self) -> str:
         return super()._extra_repr() + f", bag mode={self.mode!r}"
+
+
+class QuantizedRecurrent(nn.Module):
+    r"""A recurrent layer or cell of seqlib with its weight matrices quantized, for inference.
+
+    Made by ``to_quantized`` on :class:`~seqlib.nn.RNN`, :class:`~seqlib.nn.LSTM`, :class:`~seqlib.nn.GRU`
+    and the cells (and so by ``mlx.nn.quantize``), the counterpart of torch's dynamically quantized
+    LSTM: every weight matrix (``weight_ih*``, ``weight_hh*``, ``weight_hr*``) is stored as
+    ``mx.quantize`` gives it, ``{name}`` (packed), ``{name}_scales`` and ``{name}_biases``, so its
+    memory is about ``bits / 32`` of the float layer's; the bias vectors stay as they were.  A call
+    dequantizes the matrices (one pass over them) and runs the float layer's computation on the
+    result, so it computes exactly what the float layer computes with the dequantized weights
+    (:meth:`dequantized`), on every path (the C++ primitives, the Metal kernels, MLX ops) and under
+    every transformation.  Inputs, outputs and ``step`` as the float module's.
+
+    Args:
+        module: the float layer or cell to quantize (its in-features, ``input_size``, ``hidden_size``
+            and ``proj_size`` where there is one, must be multiples of ``group_size``).
+        group_size: columns that share a scale and a bias. Default 64.
+        bits: bits per weight, 2 to 8. Default 4.
+        mode: ``mx.quantize``'s mode. Default ``"affine"``.
+    """
+
+    def __init__(self, module, group_size: int = 64, bits: int = 4, mode: str = "affine"):
+        super().__init__()
+        matrices = {name: value for name, value in module.parameters().items()
+                    if name.startswith("weight_") and value.ndim == 2}  # fmt: skip
+        for name, value in matrices.items():
+            if value.shape[1] % group_size:
+                raise ValueError(f"group_size: {name} has {value.shape[1]} columns, not a multiple of {group_size}")
+        self.group_size, self.bits, self.quantization_mode = group_size, bits, mode
+        object.__setattr__(self, "matrix_names", tuple(sorted(matrices)))  # not a parameter
+        for name, value in module.parameters().items():
+            if name in matrices:
+                packed, scales, *biases = mx.quantize(value, group_size, bits, mode=mode)
+                self[name], self[name + "_scales"] = packed, scales
+                if biases:
+                    self[name + "_biases"] = biases[0]
+            else:
+                self[name] = value
+        float_module = copy.copy(module)  # runs the computation; kept outside the parameter tree
+        float_module.eval()
+        object.__setattr__(self, "_float_module", float_module)
+        self.freeze()
+
+    def dequantized(self) -> dict:
+        """The float parameters the calls compute with: the matrices dequantized, the biases as stored."""
+        weights = {}
+        for name in self.matrix_names:
+            weights[name] = mx.dequantize(self[name], self[name + "_scales"], self.get(name + "_biases"),
+                                          group_size=self.group_size, bits=self.bits,
+                                          mode=self.quantization_mode)  # fmt: skip
+        for name, value in self.parameters().items():
+            if name not in self.matrix_names and not name.endswith(("_scales", "_biases")):
+                weights[name] = value  # the float biases
+        return weights
+
+    def _float(self):
+        self._float_module.update(self.dequantized())
+        return self._float_module
+
+    def __call__(self, *args, **kwargs):
+        return self._float()(*args, **kwargs)
+
+    def step(self, *args, **kwargs):
+        """One time step, as the float layer's ``step`` (layers only)."""
+        return self._float().step(*args, **kwargs)
+
+    def _extra_repr(self) -> str:
+        return (f"{type(self._float_module).__name__}({self._float_module._extra_repr()}), "
+                f"group_size={self.group_size}, bits={self.bits}, mode={self.quantization_mode!r}")  # fmt: skip

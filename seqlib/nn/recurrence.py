@@ -56,6 +56,14 @@ class Recurrence:
             return None
         return self._native_step(native.extension(), rows, states, weights)
 
+    def to_quantized(self, group_size: int = 64, bits: int = 4, mode: str = "affine"):
+        """This layer or cell with its weight matrices quantized by ``mx.quantize``, for inference
+        (``mlx.nn.quantize`` calls this): a :class:`~seqlib.nn.QuantizedRecurrent`.  Every matrix's
+        in-features must be a multiple of ``group_size``."""
+        from seqlib.nn.quantized import QuantizedRecurrent
+
+        return QuantizedRecurrent(self, group_size, bits, mode)
+
     def _input_side(self, rows, suffix: str, fold_hidden_bias: bool) -> mx.array:
         """``rows @ W_ih.T + b_ih`` (+ ``b_hh`` where it can be folded in) for every row at once."""
         weight_ih = getattr(self, "weight_ih" + suffix)
