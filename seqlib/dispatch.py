@@ -4,19 +4,15 @@ Every module of seqlib has up to four implementations of its forward and backwar
 the same numbers within float32 rounding.  Each path says whether it serves a call on
 arrays of a dtype, here and now; the first that does runs it:
 
-==========  ============================================================================
-``plain``   MLX's built-in primitives only, with gradients by MLX's autodiff: no seqlib
-            C++ primitive, kernel, custom function or compiled function inside, so that
-            ``mx.export_function`` can serialise the graph.  On the ``"plain"`` backend
-            (:func:`seqlib.kernels.use_backend`, ``SEQLIB_BACKEND=plain``, and inside
-            :func:`seqlib.export_function`).
-``kernels`` seqlib's Metal kernels (:mod:`seqlib.kernels`), on the GPU (``"metal"``) or run on
-            the CPU through :mod:`seqlib.emulation` (``"emulate"``); float32, float16 and
-            bfloat16.
-``native``  seqlib's C++ CPU primitives (:mod:`seqlib.native`): float32 on MLX's CPU device,
-            where the extension is built and checked.
-``ops``     MLX ops with seqlib's hand-written backward (custom functions): everything else.
-==========  ============================================================================
+- ``plain``: MLX's built-in primitives only, with gradients by MLX's autodiff: no seqlib C++
+  primitive, kernel, custom function or compiled function inside, so that ``mx.export_function``
+  can serialise the graph.  On the ``"plain"`` backend (:func:`seqlib.kernels.use_backend`,
+  ``SEQLIB_BACKEND=plain``, and inside :func:`seqlib.export_function`).
+- ``kernels``: seqlib's Metal kernels (:mod:`seqlib.kernels`), on the GPU (``"metal"``) or run on
+  the CPU through :mod:`seqlib.emulation` (``"emulate"``); float32, float16 and bfloat16.
+- ``native``: seqlib's C++ CPU primitives (:mod:`seqlib.native`): float32 on MLX's CPU device,
+  where the extension is built and checked.
+- ``ops``: MLX ops with seqlib's hand-written backward (custom functions): everything else.
 """
 
 from __future__ import annotations

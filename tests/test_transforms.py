@@ -322,3 +322,13 @@ def test_gradient_of_a_vmap_equals_a_sum_of_gradients(name):
     mapped = mx.grad(lambda w: mx.vmap(lambda x: loss(w, x))(batched).sum())(weight)
     looped = sum(mx.grad(loss)(weight, batched[k]) for k in range(2))
     _close(mapped, looped, atol=1e-4)
+
+
+def test_a_shapeless_compiled_lookup_follows_new_shapes():
+    """The index check in the graph is elementwise: mx.compile(shapeless=True) infers its new shape."""
+    for table in (seqlib.nn.Embedding(V, D), seqlib.nn.Embedding(V, D, padding_idx=0)):
+        mx.eval(table.parameters())
+        lookup = mx.compile(table, shapeless=True)
+        for length in (3, 5):
+            ids = _ids((2, length)) + 0  # lazy: checked in the graph
+            _close(lookup(ids), table(ids))

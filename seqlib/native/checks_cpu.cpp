@@ -140,7 +140,7 @@ mx::array checked_indices(const mx::array& indices, int64_t upper, std::string n
     throw std::invalid_argument("checked_indices: upper must lie in [0, 2**31)");
   }
   return seqlib_cpu::make_loop("CheckedIndices", check_indices, {indices.shape()}, {mx::int32}, {&indices},
-                               Range{upper, std::move(name), std::move(what)})[0];
+                               Range{upper, std::move(name), std::move(what)}, nullptr, true)[0];
 }
 
 mx::array checked_bounds(const mx::array& offsets, int64_t input_size, bool include_last_offset) {

@@ -49,9 +49,10 @@ class CpuLoop : public mx::Primitive {
                                          const std::vector<mx::array>& outputs);
 
   CpuLoop(mx::Stream stream, const char* name, Runner runner, Params params, std::vector<mx::Shape> shapes,
-          std::vector<mx::Dtype> dtypes, Vjp vjp = nullptr)
+          std::vector<mx::Dtype> dtypes, std::vector<mx::Shape> input_shapes, Vjp vjp = nullptr,
+          bool elementwise = false)
       : mx::Primitive(stream), name_(name), runner_(runner), params_(std::move(params)), shapes_(std::move(shapes)),
-        dtypes_(std::move(dtypes)), vjp_(vjp) {}
+        dtypes_(std::move(dtypes)), input_shapes_(std::move(input_shapes)), vjp_(vjp), elementwise_(elementwise) {}
 
   void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override {
     for (auto& out : outputs) {
@@ -91,7 +92,10 @@ class CpuLoop : public mx::Primitive {
         slice.push_back(axes[i] >= 0 ? mx::contiguous(mx::take(inputs[i], k, axes[i], stream()), false, stream())
                                      : inputs[i]);
       }
-      auto loop = std::make_shared<CpuLoop>(stream(), name_, runner_, params_, shapes_, dtypes_, vjp_);
+      std::vector<mx::Shape> slice_shapes;
+      for (auto& array : slice) slice_shapes.push_back(array.shape());
+      auto loop = std::make_shared<CpuLoop>(stream(), name_, runner_, params_, shapes_, dtypes_, slice_shapes, vjp_,
+                                            elementwise_);
       auto outputs = mx::array::make_arrays(shapes_, dtypes_, loop, slice);
       for (size_t j = 0; j < outputs.size(); ++j) results[j].push_back(outputs[j]);
     }
@@ -111,7 +115,17 @@ class CpuLoop : public mx::Primitive {
     return vjp_(params_, primals, cotangents, argnums, outputs);
   }
 
-  std::vector<mx::Shape> output_shapes(const std::vector<mx::array>&) override { return shapes_; }
+  // mx.compile(shapeless=True) asks again when the inputs' shapes change: an elementwise loop follows them;
+  // the others' loops are fixed by what they were built for (batch_sizes, bags), so they say so.
+  std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override {
+    bool same = inputs.size() == input_shapes_.size();
+    for (size_t i = 0; same && i < inputs.size(); ++i) same = inputs[i].shape() == input_shapes_[i];
+    if (same) return shapes_;
+    if (elementwise_) return {inputs[0].shape()};
+    throw std::invalid_argument(std::string(name_) + ": its loop was built for its inputs' shapes (the steps or bags "
+                                "are fixed when it is made), so mx.compile(..., shapeless=True) cannot change them; "
+                                "compile without shapeless=True");
+  }
 
   bool is_equivalent(const mx::Primitive& other) const override {
     auto& o = static_cast<const CpuLoop&>(other);
@@ -130,7 +144,9 @@ class CpuLoop : public mx::Primitive {
   Params params_;
   std::vector<mx::Shape> shapes_;  // of the outputs (they follow from Params and the inputs' shapes)
   std::vector<mx::Dtype> dtypes_;
-  Vjp vjp_;  // nullptr: no gradient (a backward loop, a check)
+  std::vector<mx::Shape> input_shapes_;  // what the loop was built for
+  Vjp vjp_;           // nullptr: no gradient (a backward loop, a check)
+  bool elementwise_;  // one input, one output of its shape (CheckedIndices)
 };
 
 inline mx::Stream cpu_stream() { return mx::default_stream(mx::Device(mx::Device::cpu)); }
@@ -140,14 +156,17 @@ template <class Params>
 std::vector<mx::array> make_loop(const char* name, typename CpuLoop<Params>::Runner runner,
                                  std::vector<mx::Shape> shapes, std::vector<mx::Dtype> dtypes,
                                  const std::vector<const mx::array*>& inputs, Params params,
-                                 typename CpuLoop<Params>::Vjp vjp = nullptr) {
+                                 typename CpuLoop<Params>::Vjp vjp = nullptr, bool elementwise = false) {
   auto s = cpu_stream();
   std::vector<mx::array> contiguous;
   for (auto* array : inputs) {  // an evaluated row-contiguous array (a weight, a state) is used as it is
     const bool ready = array->is_available() && array->flags().row_contiguous;
     contiguous.push_back(ready ? *array : mx::contiguous(*array, false, s));
   }
-  auto primitive = std::make_shared<CpuLoop<Params>>(s, name, runner, std::move(params), shapes, dtypes, vjp);
+  std::vector<mx::Shape> input_shapes;
+  for (auto& array : contiguous) input_shapes.push_back(array.shape());
+  auto primitive = std::make_shared<CpuLoop<Params>>(s, name, runner, std::move(params), shapes, dtypes,
+                                                     std::move(input_shapes), vjp, elementwise);
   return mx::array::make_arrays(std::move(shapes), std::move(dtypes), primitive, contiguous);
 }
 
