@@ -620,8 +620,9 @@ std::vector<mx::array> layers_step(LayerStep layer_step, int gate_blocks, const 
                                    int option) {
   check_step_arrays(x, states, weights, gate_blocks);
   // This runs on the caller's thread while MLX's CPU stream may run other work (mx.async_eval).
-  // Both may call BLAS: OpenBLAS takes concurrent calls, and the shim's per-call thread count
-  // changes no result.  (Synchronising the stream first cost about 150 us a step, 4x the step.)
+  // Both may call BLAS: the shim holds one lock per product, so the thread count it lowers for a
+  // small product is never seen by another.  (Synchronising the stream first cost about 150 us a
+  // step, 4x the step.)
   const bool stacked = states[0].ndim() == 3;
   const int layers = stacked ? states[0].shape(0) : 1;
   std::vector<mx::array> given, finals;
