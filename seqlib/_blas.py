@@ -61,11 +61,6 @@ status = BlasStatus(routed=False, reason="not routed: call seqlib.route_mlx_blas
 _shim: ctypes.CDLL | None = None
 
 
-def cache_dir() -> Path:
-    """Where seqlib caches what it builds (see :func:`seqlib._build.cache_dir`)."""
-    return _build.cache_dir()
-
-
 def _openblas_dir() -> str:
     import scipy_openblas32  # the OpenBLAS wheel NumPy and SciPy build against
 
@@ -78,7 +73,7 @@ def _build_shim(openblas_dir: str) -> Path:
     packaged = _build.prebuilt(_build.PACKAGE_DIR / _build.SHIM_NAME, key)
     if packaged is not None:
         return packaged
-    target = cache_dir() / f"blas_shim-{_build.key_of(key, *_build.find_compiler('c'))}.so"
+    target = _build.cache_dir() / f"blas_shim-{_build.key_of(key, *_build.find_compiler('c'))}.so"
     return _build.build_once(target, lambda partial: _build.shim_command(openblas_dir, partial))
 
 

@@ -47,15 +47,22 @@ __all__ = [
     "renorm_for_lookup",
 ]
 
-def _checked_indices(indices: mx.array, upper: int, name: str = "input") -> tuple[mx.array, mx.array | None]:
+def _graph_checks(path: str):
+    """seqlib's extension where its checking primitives may run in the graph of a call on ``path`` (not on the
+    plain path, whose graph must hold MLX's own primitives only; on the CPU device), else None."""
+    extension = native.module()
+    return extension if extension is not None and path != "plain" and mx.default_device() == mx.cpu else None
+
+
+def _checked_indices(indices: mx.array, upper: int, path: str, name: str = "input") -> tuple[mx.array, mx.array | None]:
     """``indices`` ready to read a table of ``upper`` rows, never out of bounds, and a mask of the ones
     outside it where only NaN rows can tell (else None).  See the module's docstring."""
     values = host_values(indices)
     if values is not None:
         check_index_range(values, upper, name)
         return indices, None
-    extension = native.module()
-    if extension is not None and path_for(mx.float32) != "plain" and mx.default_device() == mx.cpu:
+    extension = _graph_checks(path)
+    if extension is not None:
         return extension.checked_indices(indices, upper, name, "num_embeddings"), None
     outside = (indices < 0) | (indices >= upper)
     return mx.clip(indices, 0, max(upper - 1, 0)), outside
@@ -67,8 +74,8 @@ def _checked_bounds(offsets, input_size: int, include_last_offset: bool, path: s
     values = host_values(offsets)
     if values is not None:
         return mx.array(bag_bounds(values, input_size, include_last_offset).astype(np.int32)), None
-    extension = native.module()
-    if extension is not None and path != "plain" and mx.default_device() == mx.cpu:
+    extension = _graph_checks(path)
+    if extension is not None:
         return extension.checked_bounds(offsets, input_size, include_last_offset), None
     bounds = offsets.astype(mx.int32)
     if not include_last_offset:
@@ -122,14 +129,15 @@ def embedding_renorm(weight: mx.array, input: mx.array, max_norm: float, norm_ty
     """
     check_weight(weight)
     check_max_norm(max_norm, norm_type, required=True)
-    indices, outside = _checked_indices(as_index_array(input, "input"), weight.shape[0])
+    path = path_for(weight.dtype)
+    indices, outside = _checked_indices(as_index_array(input, "input"), weight.shape[0], path)
     values = host_values(indices)
     if values is None:  # lazy or traced: rescale every occurrence's row, the same value for a repeated row
         return _renorm_rows_in_graph(weight, indices.reshape(-1), max_norm, norm_type, outside)
     unique_rows = mx.array(np.unique(values.reshape(-1)).astype(np.int32))
     if unique_rows.size == 0 or weight.size == 0:  # nothing to rescale (MLX cannot scatter into an empty table)
         return weight
-    if path_for(weight.dtype) == "kernels":
+    if path == "kernels":
         scale = embedding_kernels.renorm_scales(weight, unique_rows, max_norm, norm_type)  # checked above
     else:
         scale = _renorm_scales(weight[unique_rows], max_norm, norm_type)
@@ -236,8 +244,8 @@ def embedding(
     unlike torch, a negative ``max_norm`` and a ``norm_type`` <= 0 raise a ValueError.
     """
     check_weight(weight)
-    num_embeddings = weight.shape[0]
-    indices, outside = _checked_indices(as_index_array(input, "input"), num_embeddings)
+    num_embeddings, path = weight.shape[0], path_for(weight.dtype)
+    indices, outside = _checked_indices(as_index_array(input, "input"), num_embeddings, path)
     padding_idx = normalize_padding_idx(padding_idx, num_embeddings)
     check_max_norm(max_norm, norm_type)
     if weight.size == 0:  # V or D is 0: nothing to read (and MLX cannot scatter a gradient into it)
@@ -245,7 +253,7 @@ def embedding(
 
     if max_norm is not None:
         weight = renorm_for_lookup(weight, indices, max_norm, norm_type)
-    if path_for(weight.dtype) == "kernels":
+    if path == "kernels":
         grad_scale = _inverse_frequency(indices, num_embeddings).reshape(-1) if scale_grad_by_freq else None
         return _with_nan_rows(embedding_kernels.gather_rows(weight, indices, padding_idx, grad_scale), outside)
     rows = _with_nan_rows(mx.take(weight, indices, axis=0), outside)  # (*, D)
@@ -405,7 +413,7 @@ def _bag_arguments(input, num_embeddings, dtype, offsets, mode, per_sample_weigh
     indices, offsets, flat_weights, include_last_offset = flatten_bags(
         input, offsets, per_sample_weights, include_last_offset
     )
-    indices, outside = _checked_indices(indices, num_embeddings)
+    indices, outside = _checked_indices(indices, num_embeddings, path)
     padding_idx = normalize_padding_idx(padding_idx, num_embeddings)
     bounds, broken = _checked_bounds(offsets, indices.size, include_last_offset, path)
     return indices, outside, offsets, include_last_offset, bounds, broken, flat_weights, padding_idx
@@ -425,7 +433,7 @@ def quantized_embedding(input, weight, scales, biases=None, group_size: int = 64
     for a (V, D) table (V rows); ``input`` is checked as :func:`embedding` checks it.  For inference: a
     quantized table has no gradient (``mlx.nn.QuantizedEmbedding`` computes the same, unchecked).
     """
-    indices, outside = _checked_indices(as_index_array(input, "input"), weight.shape[0])
+    indices, outside = _checked_indices(as_index_array(input, "input"), weight.shape[0], path_for(scales.dtype))
     return _with_nan_rows(_dequantized_rows(indices, weight, scales, biases, group_size, bits, mode), outside)
 
 
