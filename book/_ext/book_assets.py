@@ -19,13 +19,6 @@ note and keeps myst-nb's CDN defaults, which still work for readers online.
 The files live in ``book/vendor/``, not in a folder named ``_static``, because
 Jupyter Book injects every script under ``_static`` into every page.
 
-Encrypted kernels: ipykernel 7 warns on the terminal at every start ("Kernel is
-running over TCP without encryption") unless the kernel manager provisions
-CurveZMQ keys, which jupyter_client does with its option
-``KernelManager.transport_encryption = "auto"`` for kernelspecs that declare
-support (ipykernel's does).  myst-nb creates its kernel managers without a
-config object, so this extension sets that option's default.
-
 Duplicate scripts: sphinx-thebe adds its inline ``const THEBE_JS_URL = ...``
 twice to every page, which throws "already declared" in the browser console;
 we drop exact duplicates from each page's script list.
@@ -129,15 +122,6 @@ def serve_scripts_locally(app, config) -> None:
     config.mathjax_path = MATHJAX_JS  # relative: served from _static/
 
 
-def encrypt_kernel_transport() -> None:
-    """Have the kernels myst-nb starts in this process use CurveZMQ (when pyzmq has it)."""
-    import zmq
-    from jupyter_client.manager import KernelManager
-
-    if zmq.has("curve") and hasattr(KernelManager, "transport_encryption"):
-        KernelManager.transport_encryption.default_value = "auto"
-
-
 def drop_duplicate_scripts(app, pagename, templatename, context, doctree) -> None:
     seen, unique = set(), []
     for script in context.get("script_files", []):
@@ -150,7 +134,6 @@ def drop_duplicate_scripts(app, pagename, templatename, context, doctree) -> Non
 
 
 def setup(app):
-    encrypt_kernel_transport()
     app.connect("config-inited", serve_scripts_locally)
     app.connect("html-page-context", drop_duplicate_scripts, priority=900)
     return {"parallel_read_safe": True, "parallel_write_safe": True}
