@@ -19,7 +19,7 @@ OTHER_NUMERICS := OMP_NUM_THREADS=1 OPENBLAS_NUM_THREADS=1
 endif
 
 .DEFAULT_GOAL := help
-.PHONY: help book test lab unit unit-emulate nbval nbval-numerics lint book-strict browser-test screenshot clean
+.PHONY: help book test lab unit unit-emulate nbval nbval-numerics nbval-mac-cpu nbval-mac-gpu kernel-stress lint book-strict browser-test screenshot clean
 
 help:  ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-13s %s\n", $$1, $$2}'
@@ -76,7 +76,7 @@ $(BOOK_STAMP): $(BOOK_SOURCES) $(VENV)/.book-installed
 	$(BIN)/jupyter-book build --all -W --keep-going .
 	@touch $@
 
-test: lint unit unit-emulate book nbval nbval-numerics browser-test  ## everything: ruff, unit tests (ops and emulated kernels), book, nbval (twice), browser check
+test: lint unit unit-emulate book nbval nbval-numerics nbval-mac-cpu nbval-mac-gpu browser-test  ## everything: ruff, unit tests (ops and emulated kernels), book, nbval (four ways), browser check
 	@echo "==> all checks passed"
 
 lint: $(VENV)/.test-installed  ## ruff on the library, tests and notebooks
@@ -102,6 +102,29 @@ nbval: $(VENV)/.test-installed  ## re-run every chapter and compare with its sto
 nbval-numerics: $(VENV)/.test-installed  ## nbval again under other float32 numerics (other BLAS kernels, one thread)
 	@echo "==> nbval under other numerics: $(OTHER_NUMERICS)"
 	env $(OTHER_NUMERICS) $(NBVAL)
+
+# The paths a Mac takes, as far as Linux can take them (the environment-report cells, the first code
+# cell of every chapter, are the only ones whose output may differ; nbval ignores them):
+# - a Mac's CPU has no C++ primitives of seqlib's (they are built for Linux's MLX): SEQLIB_NATIVE=0
+#   sends every module through MLX ops, as there;
+# - a Mac's GPU runs seqlib's Metal kernels: SEQLIB_BACKEND=emulate runs the same kernels through
+#   seqlib.emulation. Parts I and II (chapters 1-7, the library's modules on their default path)
+#   take a few minutes that way; Parts III-V choose their backends cell by cell already, and their
+#   larger models would take hours emulated.
+MAC_GPU_CHAPTERS := $(wildcard chapters/0[1-7]_*.ipynb)
+
+nbval-mac-cpu: $(VENV)/.test-installed  ## nbval with seqlib's C++ primitives off (SEQLIB_NATIVE=0: the path a Mac's CPU takes)
+	@echo "==> nbval with SEQLIB_NATIVE=0 (MLX ops where the C++ primitives would run)"
+	SEQLIB_NATIVE=0 $(NBVAL)
+
+nbval-mac-gpu: $(VENV)/.test-installed  ## nbval of chapters 1-7 with the Metal kernels emulated (the path a Mac's GPU takes)
+	@echo "==> nbval of chapters 1-7 with SEQLIB_BACKEND=emulate (seqlib's Metal kernels through seqlib.emulation)"
+	SEQLIB_BACKEND=emulate $(BIN)/python -m pytest --nbval $(MAC_GPU_CHAPTERS) --nbval-sanitize-with $(SANITIZE) -p no:randomly
+
+# Kernel starts and executions as the book build makes them (book/_ext/book_kernels.py), two at a
+# time; a run over three times the median, or one that fails, fails the target. About 3 minutes.
+kernel-stress: $(VENV)/.book-installed  ## start and run chapter 4's kernel 50 times, two at once; fail on any stall
+	$(BIN)/python tools/kernel_stress.py --runs 50 --parallel 2
 
 browser-test: $(VENV)/.test-installed  ## open the built site in headless Chromium (needs `make book` first)
 	@echo "==> browser check of _build/html in headless Chromium"
