@@ -253,3 +253,63 @@ def test_writers_are_recorded_only_when_asked_and_unwritten_elements_have_none()
     np.testing.assert_array_equal(launches[0].writer_lane("out")[2], -1)
     with pytest.raises(ValueError, match="output: expected one of \\['out'\\], got 'h'"):
         launches[0].writer_simdgroup("h")
+
+
+# ----------------------------------------------------------------- as strict as Apple's compiler and GPUs
+
+
+def run_small(name, body, size=64, **kernel_options):
+    kernel = emulation.metal_kernel(name, ["a"], ["out"], body, **kernel_options)
+    (out,) = kernel(inputs=[values((size,))], output_shapes=[(size,)], output_dtypes=[mx.float32],
+                    grid=(size, 1, 1), threadgroup=(size, 1, 1))  # fmt: skip
+    return np.array(out)
+
+
+@pytest.mark.parametrize("construct", [
+    "if constexpr (true) { out[0] = a[0]; }",                      # C++17
+    "float pair[2] = {a[0], 1.0f}; auto [x, y] = pair; out[0] = x + y;",  # structured bindings, C++17
+    "auto twice = [](auto v) constexpr { return 2 * v; }; out[0] = twice(a[0]);",  # constexpr lambda, C++17
+])
+def test_metal_is_cpp14_so_newer_constructs_are_rejected(construct):
+    """MSL is based on C++14: the emulation compiles kernels as -std=c++14 -pedantic-errors, as a Mac would
+    refuse them."""
+    with pytest.raises(emulation.EmulationError, match=r"(?i)rejected the kernel[\s\S]*c\+\+17"):
+        run_small("cpp17", construct, size=1)
+    run_small("cpp14", "out[0] = a[0];", size=1)  # the same harness accepts a C++14 kernel
+
+
+def test_a_barrier_without_mem_threadgroup_does_not_order_threadgroup_memory():
+    racy = PREVIOUS_WITHOUT_BARRIER.replace("shared[t] = a[i];\n",
+                                            "shared[t] = a[i];\nthreadgroup_barrier(mem_flags::mem_none);\n")
+    with pytest.raises(emulation.EmulationError, match="without mem_flags::mem_threadgroup"):
+        run_small("previous_mem_none", racy)
+    ordered = racy.replace("mem_flags::mem_none", "mem_flags::mem_threadgroup")
+    np.testing.assert_array_equal(run_small("previous_mem_threadgroup", ordered), np.r_[0, np.arange(63)])
+    # execution-only barriers stay legal where no threadgroup memory was written before them
+    assert run_small("mem_none_alone", "threadgroup_barrier(mem_flags::mem_none);\n"
+                     "out[thread_position_in_grid.x] = a[thread_position_in_grid.x];")[5] == 5
+
+
+def test_divergent_simd_collectives_are_refused():
+    """On a GPU, simd_sum in each branch reduces over that branch's active lanes; matching the two calls
+    as one reduction (as by phase) would be wrong, so the emulation refuses them."""
+    divergent = """
+uint i = thread_position_in_grid.x;
+float total;
+if (thread_index_in_simdgroup < 16) {
+  total = simd_sum(a[i]);
+} else {
+  total = simd_sum(2.0f * a[i]);
+}
+out[i] = total;
+"""
+    with pytest.raises(emulation.EmulationError, match=r"divergent SIMD collectives.* lines 10 and 12 "):
+        run_small("divergent_sum", divergent)
+    # one call reached by only some lanes reduces over those lanes, as on a GPU
+    partial = """
+uint i = thread_position_in_grid.x;
+if (thread_index_in_simdgroup >= 16) return;
+out[i] = simd_sum(a[i]);
+"""
+    out = run_small("partial_sum", partial, size=32)
+    assert out[0] == sum(range(16))

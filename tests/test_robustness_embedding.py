@@ -1207,3 +1207,21 @@ def test_modules_train_through_mlx_value_and_grad_after_bad_calls():
     grads = mlx.nn.value_and_grad(layer, lambda m: m(mx.array([[0, 1]])).sum())(layer)[1]
     assert np.array(grads["weight"]).tolist() == [[1, 1], [0, 0], [0, 0], [0, 0]]
     assert math.isfinite(float(layer(mx.array([[3, 2]])).sum()))
+
+
+def test_tables_too_large_for_the_kernels_32_bit_offsets_are_refused_before_any_work():
+    """The kernels index with 32-bit offsets (``row * embedding_dim + d``): a table of 2**32 elements would
+    wrap silently, so the launcher refuses it, from shapes alone (the 8 GB table below is never allocated)."""
+    from seqlib import kernels
+    from seqlib.kernels import bag_kernels
+    from seqlib.kernels.runtime import check_kernel_sizes
+
+    huge = mx.zeros((2**21, 2**11), dtype=mx.float16)  # 2**32 elements, lazy
+    just_fits = mx.zeros((2**21 - 1, 2**11), dtype=mx.float16)
+    with kernels.use_backend("emulate"):
+        with pytest.raises(ValueError, match=r"embedding_gather: 'weight' has 4,294,967,296 elements.*32-bit"):
+            seqlib.functional.embedding(mx.array([0, 1]), huge)
+        with pytest.raises(ValueError, match=r"embedding_bag: 'weight' has 4,294,967,296 elements"):
+            seqlib.functional.embedding_bag(mx.array([0, 1]), huge, offsets=mx.array([0]))
+    check_kernel_sizes(bag_kernels.EMBEDDING_BAG, [just_fits, mx.array([0]), mx.array([0, 1]), mx.array([1.0]),
+                                                   mx.array(-1)], [(1, 2**11), (1, 2**11)])  # fmt: skip

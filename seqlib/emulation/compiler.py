@@ -23,7 +23,10 @@ __all__ = ["CompilerNotFoundError", "EmulationError", "cache_dir", "compile_libr
 
 INCLUDE_DIR = Path(__file__).resolve().parent / "include"
 HEADER = INCLUDE_DIR / "metal_emulation.h"
-COMPILE_FLAGS = ["-std=c++20", "-O1", "-fPIC", "-shared", "-w", "-fno-strict-aliasing"]
+# MSL is based on C++14: what a newer standard added (if constexpr, structured bindings, inline variables)
+# fails here as Apple's compiler fails it. Warnings stay on (-w would silence -pedantic-errors too)
+# except for the Metal attributes g++ does not know ([[kernel]], [[buffer(0)]]).
+COMPILE_FLAGS = ["-std=c++14", "-pedantic-errors", "-Wno-attributes", "-O1", "-fPIC", "-shared", "-fno-strict-aliasing"]
 COMPILER_ENV = "CXX"
 CACHE_ENV = "SEQLIB_EMULATION_CACHE"
 

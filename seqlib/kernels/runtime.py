@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import math
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -184,9 +185,28 @@ class KernelSpec:
         return tuple(name for name, _ in self.outputs)
 
 
+#: The kernels compute element offsets in 32-bit ``uint`` (``row * embedding_dim + d``): an array of this
+#: many elements or more would wrap them silently, so no such array is passed to a kernel.
+MAX_KERNEL_ELEMENTS = 2**32
+
+
+def check_kernel_sizes(spec: KernelSpec, inputs, output_shapes) -> None:
+    """Raise a ValueError naming the buffer if any input or output has :data:`MAX_KERNEL_ELEMENTS` or more
+    elements (checked from shapes alone: nothing is evaluated)."""
+    sizes = [(name, math.prod(array.shape)) for name, array in zip(spec.input_names, inputs, strict=True)]
+    sizes += [(name, math.prod(shape)) for name, shape in zip(spec.output_names, output_shapes, strict=True)]
+    for name, size in sizes:
+        if size >= MAX_KERNEL_ELEMENTS:
+            raise ValueError(
+                f"{spec.name}: '{name}' has {size:,} elements; the Metal kernels index with 32-bit offsets, "
+                f"so each array must have fewer than 2**32 = {MAX_KERNEL_ELEMENTS:,} (use the MLX-ops backend, "
+                "seqlib.kernels.use_backend('ops'), for larger tables)"
+            )
+
+
 @functools.cache
 def _build(factory, spec: KernelSpec):
-    return factory(
+    kernel = factory(
         name=spec.name,
         input_names=list(spec.input_names),
         output_names=list(spec.output_names),
@@ -195,6 +215,12 @@ def _build(factory, spec: KernelSpec):
         ensure_row_contiguous=True,
         atomic_outputs=spec.atomic,
     )
+
+    def launch(*, inputs, output_shapes, **options):
+        check_kernel_sizes(spec, inputs, output_shapes)
+        return kernel(inputs=inputs, output_shapes=output_shapes, **options)
+
+    return launch
 
 
 def forget_built_kernels() -> None:

@@ -108,6 +108,7 @@ constexpr size_t kStackSize = 128 * 1024;
 constexpr int kMaxDeclarations = 64;
 constexpr int kSlotBytes = 16;
 constexpr size_t kCompareChunk = 256;  // bytes compared at once when attributing writes
+constexpr int kTextFirstLine = 3;  // MLX's kernel text starts on this line of the emulated source (codegen.py)
 
 typedef void (*Body)(const ThreadIds&, void**);
 
@@ -143,6 +144,8 @@ struct Fiber {
   uint64_t grid_index;  // linear position in the grid, for the instruments
   char* stack;
   int simd_phase;
+  int simd_site;      // the source line of the SIMD collective it waits at
+  int barrier_flags;  // the mem_flags of the barrier it waits at
 };
 
 struct Launch {
@@ -156,6 +159,8 @@ struct Launch {
   Instruments* instruments = nullptr;
   // threadgroup memory: one block per `threadgroup` declaration, shared by the group
   char* memory_block[kMaxDeclarations];
+  char* memory_shadow[kMaxDeclarations];  // each block as it was when the current phase began
+  size_t memory_bytes[kMaxDeclarations];
   size_t memory_used = 0;
   // SIMD collectives: each lane's value, double-buffered by the lane's phase
   unsigned char slots[2][kMaxThreads][kSlotBytes];
@@ -165,7 +170,7 @@ struct Launch {
   sigjmp_buf fault_jump;
 };
 
-inline Launch* launch_state = nullptr;
+static Launch* launch_state = nullptr;  // one kernel per translation unit (C++14: no inline variables)
 
 inline void fail(const char* text) {
   Launch& launch = *launch_state;
@@ -214,6 +219,9 @@ inline char* threadgroup_block(int declaration, size_t bytes) {
     char* block = static_cast<char*>(std::malloc(bytes));
     std::memset(block, 0xff, bytes);  // NaN for floats, -1 for integers: uninitialised reads show
     launch.memory_block[declaration] = block;
+    launch.memory_shadow[declaration] = static_cast<char*>(std::malloc(bytes));
+    std::memcpy(launch.memory_shadow[declaration], block, bytes);
+    launch.memory_bytes[declaration] = bytes;
   }
   return launch.memory_block[declaration];
 }
@@ -278,6 +286,54 @@ inline void make_order(Index* order, size_t count, int mode, uint32_t& seed) {
   }
 }
 
+// On a GPU a SIMD collective reduces over the lanes active at *that* call: lanes of one
+// group waiting at different calls (divergent branches) are separate collectives, which
+// the emulation cannot order as the hardware would, so it refuses them.  Calls are told
+// apart by source line (two calls on one line are not).
+inline bool same_simd_site(Launch& launch, int first, int last) {
+  int site = -1;
+  for (int t = first; t < last; ++t) {
+    const Fiber& fiber = launch.fibers[t];
+    if (fiber.state != State::at_simd) continue;
+    if (site >= 0 && fiber.simd_site != site) {
+      char text[256];
+      std::snprintf(text, sizeof(text),
+                    "divergent SIMD collectives: lanes of one SIMD group wait at collectives on lines %d and %d of "
+                    "the kernel's text (as MLX writes it: verbose=True prints it); on a GPU each call would "
+                    "reduce over its own branch's active lanes",
+                    site - kTextFirstLine + 1, fiber.simd_site - kTextFirstLine + 1);
+      fail(text);
+      return false;
+    }
+    site = fiber.simd_site;
+  }
+  return true;
+}
+
+constexpr int kMemThreadgroup = 2;  // metal::mem_flags::mem_threadgroup
+
+// A barrier orders threadgroup memory only if its flags say so (mem_flags::mem_threadgroup);
+// with mem_none it orders execution alone, and threadgroup writes made before it need not be
+// visible to the other threads after it.  The emulation's memory is always coherent, so it
+// refuses such a barrier after any threadgroup write of the phase it closes (also where each
+// thread would read back only its own writes, which a GPU allows), then starts the next phase.
+inline bool barrier_orders_threadgroup_writes(Launch& launch) {
+  bool orders = true;
+  for (int t = 0; t < launch.count; ++t) orders &= (launch.fibers[t].barrier_flags & kMemThreadgroup) != 0;
+  bool wrote = false;
+  for (int d = 0; d < kMaxDeclarations; ++d) {
+    if (launch.memory_block[d] == nullptr) continue;
+    wrote |= std::memcmp(launch.memory_block[d], launch.memory_shadow[d], launch.memory_bytes[d]) != 0;
+    std::memcpy(launch.memory_shadow[d], launch.memory_block[d], launch.memory_bytes[d]);
+  }
+  if (wrote && !orders) {
+    fail("threadgroup_barrier without mem_flags::mem_threadgroup after threads wrote threadgroup memory: "
+         "on a GPU it orders execution only, and the other threads need not see those writes after it");
+    return false;
+  }
+  return true;
+}
+
 // Release whatever can be released; returns false on deadlock or divergence.
 inline bool release_waiting(Launch& launch) {
   Instruments& instruments = *launch.instruments;
@@ -295,6 +351,7 @@ inline bool release_waiting(Launch& launch) {
       if (state == State::at_simd) any_arrived = true; else all_arrived = false;
     }
     if (any_arrived && all_arrived) {
+      if (!same_simd_site(launch, first, last)) return false;
       for (int t = first; t < last; ++t) {
         Fiber& fiber = launch.fibers[t];
         if (fiber.state == State::at_simd) {
@@ -317,6 +374,7 @@ inline bool release_waiting(Launch& launch) {
       fail("threadgroup_barrier not reached by every thread of the group (some returned before it)");
       return false;
     }
+    if (!barrier_orders_threadgroup_writes(launch)) return false;
     for (int t = 0; t < launch.count; ++t) launch.fibers[t].state = State::ready;
     instruments.barriers += 1;
     return true;
@@ -382,7 +440,8 @@ inline void on_fault(int) { siglongjmp(launch_state->fault_jump, 1); }
 inline void free_threadgroup_memory(Launch& launch) {
   for (int d = 0; d < kMaxDeclarations; ++d) {
     std::free(launch.memory_block[d]);
-    launch.memory_block[d] = nullptr;
+    std::free(launch.memory_shadow[d]);
+    launch.memory_block[d] = launch.memory_shadow[d] = nullptr;
   }
   launch.memory_used = 0;
 }
@@ -483,7 +542,8 @@ enum class mem_flags { mem_none = 0, mem_device = 1, mem_threadgroup = 2, mem_te
 inline mem_flags operator|(mem_flags a, mem_flags b) { return mem_flags(int(a) | int(b)); }
 
 // Every thread of the group must arrive before any goes on.
-inline void threadgroup_barrier(mem_flags) {
+inline void threadgroup_barrier(mem_flags flags) {
+  emu::me().barrier_flags = int(flags);
   emu::Instruments& instruments = *emu::launch_state->instruments;
   instruments.barrier_waits += 1;
   emu::count_for_me(instruments.thread_barriers);
@@ -502,9 +562,10 @@ inline T lane_value(int phase, int thread) {
 // Publish this lane's value and wait for the rest of its SIMD group.
 // Returns the phase whose slots hold the group's values.
 template <class T>
-inline int simd_exchange(T value) {
+inline int simd_exchange(T value, int site) {
   static_assert(sizeof(T) <= emu::kSlotBytes, "SIMD value too large for the emulation");
   emu::Fiber& fiber = emu::me();
+  fiber.simd_site = site;
   emu::count_for_me(emu::launch_state->instruments->thread_simd);
   int phase = fiber.simd_phase & 1;
   std::memcpy(emu::launch_state->slots[phase][fiber.ids.thread_index_in_threadgroup], &value, sizeof(T));
@@ -522,8 +583,8 @@ inline int first_thread_of_my_simdgroup() {
 }
 
 template <class T, class Combine>
-inline T simd_reduce(T value, Combine combine) {
-  int phase = simd_exchange(value);
+inline T simd_reduce(T value, Combine combine, int site) {
+  int phase = simd_exchange(value, site);
   uint32_t live = live_mask(phase);
   int first = first_thread_of_my_simdgroup();
   bool started = false;
@@ -538,16 +599,16 @@ inline T simd_reduce(T value, Combine combine) {
 }
 
 template <class T>
-inline T simd_sum(T value) {
-  return simd_reduce(value, [](T a, T b) { return T(a + b); });
+inline T simd_sum(T value, int site = __builtin_LINE()) {
+  return simd_reduce(value, [](T a, T b) { return T(a + b); }, site);
 }
 template <class T>
-inline T simd_max(T value) {
-  return simd_reduce(value, [](T a, T b) { return a > b ? a : b; });
+inline T simd_max(T value, int site = __builtin_LINE()) {
+  return simd_reduce(value, [](T a, T b) { return a > b ? a : b; }, site);
 }
 template <class T>
-inline T simd_min(T value) {
-  return simd_reduce(value, [](T a, T b) { return a < b ? a : b; });
+inline T simd_min(T value, int site = __builtin_LINE()) {
+  return simd_reduce(value, [](T a, T b) { return a < b ? a : b; }, site);
 }
 
 // The value of lane `source` (undefined, here NaN bytes, if that lane is inactive).
@@ -563,28 +624,28 @@ inline T read_lane(int phase, int source, T own) {
 }
 
 template <class T>
-inline T simd_shuffle(T value, unsigned short lane) {
-  int phase = simd_exchange(value);
+inline T simd_shuffle(T value, unsigned short lane, int site = __builtin_LINE()) {
+  int phase = simd_exchange(value, site);
   return read_lane(phase, int(lane), value);
 }
 template <class T>
-inline T simd_broadcast(T value, unsigned short lane) {
-  return simd_shuffle(value, lane);
+inline T simd_broadcast(T value, unsigned short lane, int site = __builtin_LINE()) {
+  return simd_shuffle(value, lane, site);
 }
 template <class T>
-inline T simd_shuffle_down(T value, unsigned short delta) {
-  int phase = simd_exchange(value);
+inline T simd_shuffle_down(T value, unsigned short delta, int site = __builtin_LINE()) {
+  int phase = simd_exchange(value, site);
   return read_lane(phase, int(emu::me().ids.thread_index_in_simdgroup) + int(delta), value);
 }
 template <class T>
-inline T simd_shuffle_up(T value, unsigned short delta) {
-  int phase = simd_exchange(value);
+inline T simd_shuffle_up(T value, unsigned short delta, int site = __builtin_LINE()) {
+  int phase = simd_exchange(value, site);
   int lane = int(emu::me().ids.thread_index_in_simdgroup) - int(delta);
   return lane < 0 ? value : read_lane(phase, lane, value);
 }
 template <class T>
-inline T simd_shuffle_xor(T value, unsigned short mask) {
-  int phase = simd_exchange(value);
+inline T simd_shuffle_xor(T value, unsigned short mask, int site = __builtin_LINE()) {
+  int phase = simd_exchange(value, site);
   return read_lane(phase, int(emu::me().ids.thread_index_in_simdgroup ^ mask), value);
 }
 
