@@ -71,20 +71,20 @@ book: $(BOOK_STAMP)  ## build the book into _build/html (runs every chapter; ski
 	@echo "==> the book in _build/html matches its sources: open _build/html/index.html"
 
 $(BOOK_STAMP): $(BOOK_SOURCES) $(VENV)/.book-installed
-	@echo "==> building the book: every notebook is executed; any error or warning fails the build"
+	@echo "==> [$$(date +%T)] building the book: every notebook is executed; any error or warning fails the build"
 	@rm -f $@
 	$(BIN)/jupyter-book build --all -W --keep-going .
 	@touch $@
 
 test: lint unit unit-emulate book nbval nbval-numerics nbval-mac-cpu nbval-mac-gpu browser-test  ## everything: ruff, unit tests (ops and emulated kernels), book, nbval (four ways), browser check
-	@echo "==> all checks passed"
+	@echo "==> [$$(date +%T)] all checks passed"
 
 lint: $(VENV)/.test-installed  ## ruff on the library, tests and notebooks
-	@echo "==> ruff check"
+	@echo "==> [$$(date +%T)] ruff check"
 	$(BIN)/ruff check .
 
 unit: $(VENV)/.test-installed  ## the library's unit tests (seqlib against PyTorch)
-	@echo "==> unit tests"
+	@echo "==> [$$(date +%T)] unit tests"
 	$(BIN)/python -m pytest tests --ignore=tests/browser
 
 # The modules' torch-parity tests again, with every module on its Metal path through seqlib.emulation.
@@ -92,15 +92,15 @@ PARITY_TESTS := tests/test_cells.py tests/test_embedding.py tests/test_embedding
                 tests/test_sparse.py tests/test_packing.py tests/test_interop.py tests/test_streaming.py
 
 unit-emulate: $(VENV)/.test-installed  ## the torch-parity tests with SEQLIB_BACKEND=emulate (the kernels, emulated)
-	@echo "==> torch-parity tests on the emulated Metal kernels (SEQLIB_BACKEND=emulate)"
+	@echo "==> [$$(date +%T)] torch-parity tests on the emulated Metal kernels (SEQLIB_BACKEND=emulate)"
 	SEQLIB_BACKEND=emulate $(BIN)/python -m pytest $(PARITY_TESTS) -p no:randomly
 
 nbval: $(VENV)/.test-installed  ## re-run every chapter and compare with its stored outputs
-	@echo "==> nbval: re-running the chapters against their stored outputs"
+	@echo "==> [$$(date +%T)] nbval: re-running the chapters against their stored outputs"
 	$(NBVAL)
 
 nbval-numerics: $(VENV)/.test-installed  ## nbval again under other float32 numerics (other BLAS kernels, one thread)
-	@echo "==> nbval under other numerics: $(OTHER_NUMERICS)"
+	@echo "==> [$$(date +%T)] nbval under other numerics: $(OTHER_NUMERICS)"
 	env $(OTHER_NUMERICS) $(NBVAL)
 
 # The paths a Mac takes, as far as Linux can take them (the environment-report cells, the first code
@@ -114,11 +114,11 @@ nbval-numerics: $(VENV)/.test-installed  ## nbval again under other float32 nume
 MAC_GPU_CHAPTERS := $(wildcard chapters/0[1-7]_*.ipynb)
 
 nbval-mac-cpu: $(VENV)/.test-installed  ## nbval with seqlib's C++ primitives off (SEQLIB_NATIVE=0: the path a Mac's CPU takes)
-	@echo "==> nbval with SEQLIB_NATIVE=0 (MLX ops where the C++ primitives would run)"
+	@echo "==> [$$(date +%T)] nbval with SEQLIB_NATIVE=0 (MLX ops where the C++ primitives would run)"
 	SEQLIB_NATIVE=0 $(NBVAL)
 
 nbval-mac-gpu: $(VENV)/.test-installed  ## nbval of chapters 1-7 with the Metal kernels emulated (the path a Mac's GPU takes)
-	@echo "==> nbval of chapters 1-7 with SEQLIB_BACKEND=emulate (seqlib's Metal kernels through seqlib.emulation)"
+	@echo "==> [$$(date +%T)] nbval of chapters 1-7 with SEQLIB_BACKEND=emulate (seqlib's Metal kernels through seqlib.emulation)"
 	SEQLIB_BACKEND=emulate $(BIN)/python -m pytest --nbval $(MAC_GPU_CHAPTERS) --nbval-sanitize-with $(SANITIZE) -p no:randomly
 
 # Kernel starts and executions as the book build makes them (book/_ext/book_kernels.py), two at a
@@ -127,7 +127,7 @@ kernel-stress: $(VENV)/.book-installed  ## start and run chapter 4's kernel 50 t
 	$(BIN)/python tools/kernel_stress.py --runs 50 --parallel 2
 
 browser-test: $(VENV)/.test-installed  ## open the built site in headless Chromium (needs `make book` first)
-	@echo "==> browser check of _build/html in headless Chromium"
+	@echo "==> [$$(date +%T)] browser check of _build/html in headless Chromium"
 	@sh tools/ensure-chromium.sh
 	$(BIN)/python -m pytest tests/browser
 

@@ -18,7 +18,10 @@
 //     group has.  The order in which ready threads run (and the order of the
 //     threadgroups) is forward, reverse or random, so a kernel that reads
 //     another thread's threadgroup memory without a barrier reads the NaN fill
-//     under some order and fails;
+//     under some order and fails.  A barrier without mem_flags::mem_threadgroup
+//     after threadgroup writes is refused (it would not order them on a GPU),
+//     and so are lanes of one SIMD group waiting at collectives on different
+//     source lines (divergent branches: separate reductions on a GPU);
 //   - instruments (emu::Instruments): counts of barrier releases and arrivals,
 //     atomic operations and SIMD collectives, in total and per thread, and,
 //     when asked, which thread last changed each element of each output.
@@ -27,9 +30,12 @@
 // only the threads that lie inside the grid (Metal's non-uniform threadgroups),
 // and threads_per_threadgroup is that group's actual size.
 //
+// Kernels compile as -std=c++14 -pedantic-errors (compiler.py), as MSL is C++14.
 // Not emulated (a run on a real Mac is still needed for these): GPU memory
-// ordering between threadgroups, fast-math precision, register pressure, the
-// speed of anything, and Metal's compile-time rejections (see lint.py).
+// ordering between threadgroups and co-residency, device-memory ordering within
+// a group (always coherent here), divergent SIMD collectives (refused, not run),
+// fast-math precision, register pressure, the speed of anything, and Metal's
+// compile-time rejections beyond C++14 (see lint.py).
 #pragma once
 
 // Fibers switch with _setjmp/_longjmp between their own stacks, which the
