@@ -6,9 +6,11 @@ then sleeps until its timeout. The test stages exactly that order of events.
 """
 
 import asyncio
+import contextlib
 import sys
 import time
 from pathlib import Path
+from queue import Empty
 
 import pytest
 import zmq
@@ -22,16 +24,26 @@ import book_kernels
 WAIT = 3.0  # seconds the waiting channel is given
 
 
-async def reply_lands_while_we_send(channel_class) -> float:
-    """Seconds ``get_msg`` took to see a reply that arrived just before the client sent on the same socket."""
+@contextlib.asynccontextmanager
+async def kernel_and_channel(channel_class):
+    """A kernel's ROUTER socket and a client channel of ``channel_class`` connected to it, with their session."""
     context = zmq.asyncio.Context()
     session = Session(key=b"")
     kernel = context.socket(zmq.ROUTER)
     port = kernel.bind_to_random_port("tcp://127.0.0.1")
     client = context.socket(zmq.DEALER)
     client.connect(f"tcp://127.0.0.1:{port}")
-    channel = channel_class(client, session)
     try:
+        yield kernel, channel_class(client, session), session
+    finally:
+        client.close(linger=0)
+        kernel.close(linger=0)
+        context.term()
+
+
+async def reply_lands_while_we_send(channel_class) -> float:
+    """Seconds ``get_msg`` took to see a reply that arrived just before the client sent on the same socket."""
+    async with kernel_and_channel(channel_class) as (kernel, channel, session):
         channel.send(session.msg("execute_request"))
         identity, *_ = await kernel.recv_multipart()
         start = time.perf_counter()
@@ -43,10 +55,6 @@ async def reply_lands_while_we_send(channel_class) -> float:
         reply = await waiting
         assert reply["msg_type"] == "execute_reply"
         return time.perf_counter() - start
-    finally:
-        client.close(linger=0)
-        kernel.close(linger=0)
-        context.term()
 
 
 def test_the_book_channel_sees_the_reply_at_once():
@@ -64,16 +72,7 @@ def test_the_stock_channel_is_the_one_that_stalls():
 
 def test_get_msg_times_out_with_empty_and_keeps_later_messages():
     async def scenario():
-        from queue import Empty
-
-        context = zmq.asyncio.Context()
-        session = Session(key=b"")
-        kernel = context.socket(zmq.ROUTER)
-        port = kernel.bind_to_random_port("tcp://127.0.0.1")
-        client = context.socket(zmq.DEALER)
-        client.connect(f"tcp://127.0.0.1:{port}")
-        channel = book_kernels.ReceivingChannel(client, session)
-        try:
+        async with kernel_and_channel(book_kernels.ReceivingChannel) as (kernel, channel, session):
             with pytest.raises(Empty):
                 await channel.get_msg(timeout=0.2)
             with pytest.raises(Empty):
@@ -84,10 +83,6 @@ def test_get_msg_times_out_with_empty_and_keeps_later_messages():
                 session.send(kernel, name, ident=identity)
             assert (await channel.get_msg(timeout=1))["msg_type"] == "first"
             assert (await channel.get_msg(timeout=1))["msg_type"] == "second"
-        finally:
-            client.close(linger=0)
-            kernel.close(linger=0)
-            context.term()
 
     asyncio.run(scenario())
 
@@ -95,7 +90,12 @@ def test_get_msg_times_out_with_empty_and_keeps_later_messages():
 def test_the_book_build_makes_it_the_default():
     from jupyter_client.manager import AsyncKernelManager
 
-    book_kernels.configure_kernel_manager()
-    client = AsyncKernelManager().client()
-    assert isinstance(client, book_kernels.BookKernelClient)
-    assert client.shell_channel_class is book_kernels.ReceivingChannel
+    try:
+        book_kernels.configure_kernel_manager(receiving_channels=False)
+        assert type(AsyncKernelManager().client()).__name__ == "AsyncKernelClient"
+        book_kernels.configure_kernel_manager()
+        client = AsyncKernelManager().client()
+        assert isinstance(client, book_kernels.BookKernelClient)
+        assert client.shell_channel_class is book_kernels.ReceivingChannel
+    finally:  # kernels other tests start in this process get jupyter_client's own client again
+        book_kernels.configure_kernel_manager(receiving_channels=False)

@@ -41,12 +41,7 @@ def run_once(notebook: str, timeout: int, encryption: str | None, log_dir: str |
 
     import book_kernels
 
-    book_kernels.configure_kernel_manager()
-    if stock_client:
-        from jupyter_client.asynchronous.client import AsyncKernelClient
-        from jupyter_client.manager import AsyncKernelManager
-
-        AsyncKernelManager.client_factory.default_value = AsyncKernelClient
+    book_kernels.configure_kernel_manager(receiving_channels=not stock_client)
     if encryption is not None:  # override the book's choice, for the before/after comparison
         KernelManager.transport_encryption.default_value = encryption
     nb = nbformat.read(notebook, as_version=4)

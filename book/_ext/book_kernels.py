@@ -66,13 +66,16 @@ class BookKernelClient(AsyncKernelClient):
     control_channel_class = Type(ReceivingChannel)
 
 
-def configure_kernel_manager() -> None:
-    """Kernels started in this process get :class:`BookKernelClient` and CurveZMQ (when pyzmq has it)."""
+def configure_kernel_manager(receiving_channels: bool = True) -> None:
+    """Kernels started in this process get CurveZMQ (when pyzmq has it) and, unless ``receiving_channels``
+    is False (jupyter_client's own client, as ``tools/kernel_stress.py --stock-client`` compares),
+    :class:`BookKernelClient`."""
     import zmq
 
+    client = BookKernelClient if receiving_channels else AsyncKernelClient
     # the manager's client() builds client_factory, whose default follows client_class: set both
-    AsyncKernelManager.client_class.default_value = f"{__name__}.{BookKernelClient.__name__}"
-    AsyncKernelManager.client_factory.default_value = BookKernelClient
+    AsyncKernelManager.client_class.default_value = f"{client.__module__}.{client.__name__}"
+    AsyncKernelManager.client_factory.default_value = client
     if zmq.has("curve") and hasattr(KernelManager, "transport_encryption"):
         KernelManager.transport_encryption.default_value = "auto"
 

@@ -193,7 +193,7 @@ MAX_KERNEL_ELEMENTS = 2**32
 def check_kernel_sizes(spec: KernelSpec, inputs, output_shapes) -> None:
     """Raise a ValueError naming the buffer if any input or output has :data:`MAX_KERNEL_ELEMENTS` or more
     elements (checked from shapes alone: nothing is evaluated)."""
-    sizes = [(name, math.prod(array.shape)) for name, array in zip(spec.input_names, inputs, strict=True)]
+    sizes = [(name, array.size) for name, array in zip(spec.input_names, inputs, strict=True)]
     sizes += [(name, math.prod(shape)) for name, shape in zip(spec.output_names, output_shapes, strict=True)]
     for name, size in sizes:
         if size >= MAX_KERNEL_ELEMENTS:

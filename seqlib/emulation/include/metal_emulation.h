@@ -88,6 +88,11 @@ struct bfloat16_t {
 };
 typedef bfloat16_t bfloat;
 
+namespace metal {
+// Declared here because the scheduler reads a barrier's flags (threadgroup_barrier below).
+enum class mem_flags { mem_none = 0, mem_device = 1, mem_threadgroup = 2, mem_texture = 4 };
+}  // namespace metal
+
 // ---------------------------------------------------------------- the scheduler
 
 namespace emu {
@@ -316,8 +321,6 @@ inline bool same_simd_site(Launch& launch, int first, int last) {
   return true;
 }
 
-constexpr int kMemThreadgroup = 2;  // metal::mem_flags::mem_threadgroup
-
 // A barrier orders threadgroup memory only if its flags say so (mem_flags::mem_threadgroup);
 // with mem_none it orders execution alone, and threadgroup writes made before it need not be
 // visible to the other threads after it.  The emulation's memory is always coherent, so it
@@ -325,7 +328,7 @@ constexpr int kMemThreadgroup = 2;  // metal::mem_flags::mem_threadgroup
 // thread would read back only its own writes, which a GPU allows), then starts the next phase.
 inline bool barrier_orders_threadgroup_writes(Launch& launch) {
   bool orders = true;
-  for (int t = 0; t < launch.count; ++t) orders &= (launch.fibers[t].barrier_flags & kMemThreadgroup) != 0;
+  for (int t = 0; t < launch.count; ++t) orders &= (launch.fibers[t].barrier_flags & int(metal::mem_flags::mem_threadgroup)) != 0;
   bool wrote = false;
   for (int d = 0; d < kMaxDeclarations; ++d) {
     if (launch.memory_block[d] == nullptr) continue;
@@ -544,7 +547,6 @@ inline int launch(Body body, void** buffers, const unsigned* grid, const unsigne
 
 namespace metal {
 
-enum class mem_flags { mem_none = 0, mem_device = 1, mem_threadgroup = 2, mem_texture = 4 };
 inline mem_flags operator|(mem_flags a, mem_flags b) { return mem_flags(int(a) | int(b)); }
 
 // Every thread of the group must arrive before any goes on.
