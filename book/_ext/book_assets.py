@@ -1,23 +1,22 @@
-"""Make the built book work offline, and tidy two scripts our theme stack emits.
+"""Make the built book work offline, and tidy what our theme stack emits.
 
 Math: Sphinx loads MathJax 3 (``es5/tex-mml-chtml.js``) from a public CDN, so a
 reader offline sees every formula as raw TeX.  This extension fetches the same
-MathJax release from the npm registry (below, with the widget scripts) and
-points ``mathjax_path`` at the copy in ``_static/mathjax/``; MathJax finds its
-fonts (``output/chtml/fonts/woff-v2``) and the TeX extensions it autoloads
-(``\\boldsymbol``, ``\\color``, ...) relative to that file, so they come from
-the site too.  Without npm the CDN default stays, as for the widgets.
+MathJax release from the npm registry with ``npm pack`` (pinned, cached in
+``book/vendor/``) and points ``mathjax_path`` at the copy in ``_static/mathjax/``;
+MathJax finds its fonts (``output/chtml/fonts/woff-v2``) and the TeX extensions
+it autoloads (``\\boldsymbol``, ``\\color``, ...) relative to that file, so they
+come from the site too.  Without npm the CDN default stays, which still works for
+readers online.  The files live in ``book/vendor/``, not in a folder named
+``_static``, because Jupyter Book injects every script under ``_static`` into
+every page.
 
-Widgets: myst-nb renders saved widget state with RequireJS and
-``@jupyter-widgets/html-manager``'s ``embed-amd.js``, by default from public
-CDNs, so a reader offline (or our browser test, which has no internet) sees an
-empty widget area.  At build time this extension fetches both packages from the
-npm registry with ``npm pack`` (pinned versions, cached in ``book/vendor/``),
-serves the files from ``_static/`` and points myst-nb at them, together with a
-small adapter script (``static/widgets-offline.js``).  Without npm it logs a
-note and keeps myst-nb's CDN defaults, which still work for readers online.
-The files live in ``book/vendor/``, not in a folder named ``_static``, because
-Jupyter Book injects every script under ``_static`` into every page.
+No widget scripts: the chapters' controls are ``seqlib.notebook.interact``
+players, plain HTML that needs no widget manager (``book_kernels`` switches them
+on).  A chapter's stored metadata may still hold the widget state of its last
+run in Jupyter, for which myst-nb would add RequireJS, the 3.6 MB widget manager
+and the state itself to the page; a page that shows no widget view gets none of
+them.
 
 Duplicate scripts: sphinx-thebe adds its inline ``const THEBE_JS_URL = ...``
 twice to every page, which throws "already declared" in the browser console;
@@ -39,9 +38,6 @@ logger = logging.getLogger(__name__)
 
 HERE = Path(__file__).resolve().parent
 VENDOR_DIR = HERE.parent / "vendor"
-ADAPTER = "widgets-offline.js"
-REQUIRE_JS = "require-2.3.8.js"
-EMBED_JS = "embed-amd-1.0.15.js"
 # The MathJax that Sphinx 7's default mathjax_path names (mathjax@3, es5/tex-mml-chtml.js), pinned.
 MATHJAX_JS = "mathjax/es5/tex-mml-chtml.js"
 MATHJAX_FILES = (
@@ -53,22 +49,11 @@ MATHJAX_FILES = (
     "ui/*.js",
 )
 
-FONT_KINDS = ("woff2", "woff", "ttf", "eot", "svg")
-FONT_FOLDERS = ("@jupyter-widgets/", "@jupyter-widgets/html-manager/dist/")
-
 # npm package -> {pattern of files in its tarball: where they go under _static/
 # (a name ending in "/" is a folder that keeps the file's own name; "{path}" stands for
 # the file's path inside the tarball, less the leading "package/")}
 VENDORED = {
     "mathjax@3.2.2": {f"package/es5/{pattern}": ("mathjax/{path}",) for pattern in MATHJAX_FILES},
-    "requirejs@2.3.8": {"package/require.js": (REQUIRE_JS,)},
-    "@jupyter-widgets/html-manager@1.0.15": {
-        "package/dist/embed-amd.js": (EMBED_JS,),
-        # Icon fonts. The bundle holds two webpack modules that each look for them beside
-        # their own module id (@jupyter-widgets/html-manager and .../dist/libembed-amd),
-        # and which one asks first varies from load to load, so they go in both places.
-        **{f"package/dist/*.{kind}": FONT_FOLDERS for kind in FONT_KINDS},
-    },
 }
 
 
@@ -115,16 +100,26 @@ def vendor_scripts() -> bool:
 
 def serve_scripts_locally(app, config) -> None:
     if not vendor_scripts():
-        logger.info("[book_assets] npm not available: math and widgets will load their JavaScript from CDNs")
+        logger.info("[book_assets] npm not available: math will load its JavaScript from a CDN")
         return
-    config.html_static_path = [*config.html_static_path, str(HERE / "static"), str(VENDOR_DIR)]
-    config.nb_ipywidgets_js = {ADAPTER: {}, REQUIRE_JS: {}, EMBED_JS: {}}
+    config.html_static_path = [*config.html_static_path, str(VENDOR_DIR)]
     config.mathjax_path = MATHJAX_JS  # relative: served from _static/
 
 
-def drop_duplicate_scripts(app, pagename, templatename, context, doctree) -> None:
+WIDGET_VIEW = "application/vnd.jupyter.widget-view+json"
+WIDGET_STATE = "application/vnd.jupyter.widget-state+json"
+
+
+def is_widget_script(app, script) -> bool:
+    return script.attributes.get("type") == WIDGET_STATE or script.filename in app.config.nb_ipywidgets_js
+
+
+def drop_duplicate_and_unused_scripts(app, pagename, templatename, context, doctree) -> None:
+    shows_widgets = WIDGET_VIEW in context.get("body", "")
     seen, unique = set(), []
     for script in context.get("script_files", []):
+        if not shows_widgets and is_widget_script(app, script):
+            continue
         # inline scripts come with a filename of None or "" depending on who added them
         key = (script.filename or "", tuple(sorted(script.attributes.items())))
         if key not in seen:
@@ -135,5 +130,5 @@ def drop_duplicate_scripts(app, pagename, templatename, context, doctree) -> Non
 
 def setup(app):
     app.connect("config-inited", serve_scripts_locally)
-    app.connect("html-page-context", drop_duplicate_scripts, priority=900)
+    app.connect("html-page-context", drop_duplicate_and_unused_scripts, priority=900)
     return {"parallel_read_safe": True, "parallel_write_safe": True}

@@ -25,17 +25,24 @@ is running over TCP without encryption") unless the kernel manager provisions
 CurveZMQ keys, which jupyter_client does with ``transport_encryption = "auto"``
 for kernelspecs that declare support (ipykernel's does).  myst-nb creates its
 kernel managers without a config object, so we set that option's default.
+
+Controls that work on the static page. The kernels run with
+``SEQLIB_STATIC_CONTROLS=1``, so ``seqlib.notebook.interact`` shows a player over
+precomputed outputs where Jupyter shows live widgets (see its docstring).
 """
 
 from __future__ import annotations
 
 import asyncio
+import os
 from queue import Empty
 
 from jupyter_client.asynchronous.client import AsyncKernelClient
 from jupyter_client.channels import AsyncZMQSocketChannel
 from jupyter_client.manager import AsyncKernelManager, KernelManager
 from traitlets import Type
+
+from seqlib.notebook import STATIC_CONTROLS_ENV
 
 
 class ReceivingChannel(AsyncZMQSocketChannel):
@@ -82,4 +89,7 @@ def configure_kernel_manager(receiving_channels: bool = True) -> None:
 
 def setup(app):
     configure_kernel_manager()
+    # The kernels inherit this process's environment: in them seqlib.notebook.interact precomputes
+    # each control's outputs into a player that works on the static page (no widgets, no kernel).
+    os.environ[STATIC_CONTROLS_ENV] = "1"
     return {"parallel_read_safe": True, "parallel_write_safe": True}
