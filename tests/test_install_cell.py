@@ -30,8 +30,9 @@ import install_cell  # noqa: E402
 pytestmark = pytest.mark.slow
 
 
-def run(command: list[str], env: dict, timeout: int = 900) -> subprocess.CompletedProcess:
-    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=timeout)
+def run(command: list[str], env: dict, cwd: Path, timeout: int = 900) -> subprocess.CompletedProcess:
+    # from a folder of its own: `python -c` looks for modules in the working directory first
+    done = subprocess.run(command, env=env, cwd=cwd, capture_output=True, text=True, timeout=timeout)
     assert done.returncode == 0, f"{command[:3]} failed:\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
     return done
 
@@ -43,18 +44,18 @@ def test_the_install_cell_makes_a_bare_python_run_the_chapter(tmp_path, monkeypa
     bare = tmp_path / "bare"
     venv.create(bare, with_pip=True)
     python = str(bare / "bin" / "python")
-    env = {**os.environ, "SEQLIB_REPOSITORY": str(ROOT), "SEQLIB_CHECKOUT": str(tmp_path / "seqlib")}
+    env = {**os.environ, "SEQLIB_REPOSITORY": str(ROOT), "SEQLIB_CHECKOUT": str(tmp_path / "checkout")}
     for name in ("VIRTUAL_ENV", "PYTHONPATH", "PYTHONHOME"):
         env.pop(name, None)
     cell = install_cell.install_cell_source(json.loads(CHAPTER.read_text()))
 
     # 1. Only Python and pip: the cell installs, and this same process then imports all of it.
     imports = "\nimport seqlib.notebook, mlx.core, matplotlib, ipywidgets\nprint('imported', seqlib.__file__)"
-    done = run([python, "-c", cell + imports], env)
-    assert f"imported {tmp_path / 'seqlib'}" in done.stdout, done.stdout
+    done = run([python, "-c", cell + imports], env, tmp_path)
+    assert f"imported {tmp_path / 'checkout' / 'seqlib'}" in done.stdout, done.stdout
 
     # 2. The chapter, top to bottom, in a kernel of that environment (a Python with ipykernel).
-    run([python, "-m", "pip", "install", "--quiet", "ipykernel"], env)
+    run([python, "-m", "pip", "install", "--quiet", "ipykernel"], env, tmp_path)
     spec = tmp_path / "kernels" / "kernels" / "bare"
     spec.mkdir(parents=True)
     argv = [python, "-m", "ipykernel_launcher", "-f", "{connection_file}"]
@@ -68,5 +69,5 @@ def test_the_install_cell_makes_a_bare_python_run_the_chapter(tmp_path, monkeypa
     # 3. Everything there: the cell does nothing (no clone, no pip: both would fail here).
     offline = {**env, "SEQLIB_REPOSITORY": str(tmp_path / "nowhere"), "SEQLIB_CHECKOUT": str(tmp_path / "none"),
                "PIP_NO_INDEX": "1", "PIP_FIND_LINKS": ""}  # fmt: skip
-    done = run([python, "-c", cell], offline, timeout=120)
+    done = run([python, "-c", cell], offline, tmp_path, timeout=120)
     assert done.stdout == "" and not (tmp_path / "none").exists()

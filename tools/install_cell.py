@@ -62,7 +62,7 @@ def install_if_missing():
 
     if all(present(module) for module in ["seqlib.notebook", *needed]):
         return
-    checkout = Path(os.environ.get("SEQLIB_CHECKOUT", Path.home() / "seqlib"))
+    checkout = Path(os.environ.get("SEQLIB_CHECKOUT", Path.home() / "seqlib-book"))
     if not checkout.exists():
         repository = os.environ.get("SEQLIB_REPOSITORY", "{repository}")
         subprocess.run(["git", "clone", "--quiet", "--depth=1", repository, str(checkout)], check=True)
