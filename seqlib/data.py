@@ -23,7 +23,7 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 
-from seqlib._checks import as_int_vector, check_positive_ints
+from seqlib._checks import as_int_vector, check_nonnegative_ints, check_positive_ints
 
 __all__ = [
     "ADDING_PROBLEM_BASELINE_MSE", "CHARACTER_CORPUS_MODULES", "CharacterVocabulary", "adding_problem",
@@ -200,24 +200,33 @@ class CharacterVocabulary:
         return "".join(self.chars[i] for i in values.tolist())
 
 
-def tbptt_batches(ids, batch_size: int, length: int) -> list[tuple[mx.array, mx.array]]:
+def tbptt_batches(ids, batch_size: int, length: int, offset: int = 0) -> list[tuple[mx.array, mx.array]]:
     """Windows for truncated backpropagation through time: a list of ``(inputs, targets)``, each (B, L) int32.
 
-    The N ids (a 1-D MLX or NumPy integer array, or a list) are cut into ``batch_size`` = B
-    contiguous streams of S = (N - 1) // B ids each; stream b is ``ids[b*S : (b+1)*S]`` and its
-    targets are the same ids shifted by one.  Window k holds steps ``[k*L, (k+1)*L)`` of every stream,
-    so row b of window k + 1 continues row b of window k: a model may carry its state from one window
-    to the next.  There are S // L windows; the ids that do not fill a last whole window are dropped.
+    The N ids (a 1-D MLX or NumPy integer array, or a list) less the first ``offset`` are cut into
+    ``batch_size`` = B contiguous streams of S = (N - offset - 1) // B ids each; stream b is
+    ``ids[offset + b*S : offset + (b+1)*S]`` and its targets are the same ids shifted by one.
+    Window k holds steps ``[k*L, (k+1)*L)`` of every stream, so row b of window k + 1 continues
+    row b of window k: a model may carry its state from one window to the next.  There are S // L
+    windows; the ids that do not fill a last whole window are dropped.
+
+    A new ``offset`` in ``[0, L)`` for each pass over the data (``rng.integers(length)``, as d2l
+    does) moves every window boundary, so the same characters do not always start a window and
+    the ids dropped at the end are not always the same ones.
     """
     check_positive_ints(batch_size=batch_size, length=length)
+    check_nonnegative_ints(offset=offset)
+    if offset >= length:
+        raise ValueError(f"offset: expected an int in [0, length={length}), got {offset}")
     values = as_int_vector(ids, "ids")
     if values.ndim != 1:
         raise ValueError(f"ids: expected a 1-D sequence of ids, got shape {values.shape}")
+    values = values[offset:]
     steps = (values.size - 1) // batch_size
     if steps < length:
         raise ValueError(
-            f"ids: {values.size} ids make streams of {steps} steps for batch_size={batch_size}, "
-            f"fewer than one window of length={length}"
+            f"ids: {values.size} ids after offset={offset} make streams of {steps} steps for "
+            f"batch_size={batch_size}, fewer than one window of length={length}"
         )
     inputs = values[: batch_size * steps].reshape(batch_size, steps).astype(np.int32)  # (B, S)
     targets = values[1 : batch_size * steps + 1].reshape(batch_size, steps).astype(np.int32)  # (B, S)

@@ -141,21 +141,23 @@ def test_character_vocabulary_rejects_bad_input():
         vocab.encode(["a"])
 
 
-@given(count=st.integers(2, 300), batch_size=st.integers(1, 8), length=st.integers(1, 12))
-def test_tbptt_batches_cut_parallel_streams_that_continue_across_windows(count, batch_size, length):
+@given(count=st.integers(2, 300), batch_size=st.integers(1, 8), length=st.integers(1, 12), data_=st.data())
+def test_tbptt_batches_cut_parallel_streams_that_continue_across_windows(count, batch_size, length, data_):
+    offset = data_.draw(st.integers(0, length - 1))
     ids = np.arange(count, dtype=np.int64)
-    steps = (count - 1) // batch_size
+    steps = (count - offset - 1) // batch_size
     if steps < length:
         with pytest.raises(ValueError, match="fewer than one window"):
-            data.tbptt_batches(ids, batch_size, length)
+            data.tbptt_batches(ids, batch_size, length, offset=offset)
         return
-    windows = data.tbptt_batches(ids, batch_size, length)
+    windows = data.tbptt_batches(ids, batch_size, length, offset=offset)
     assert len(windows) == steps // length
     for inputs, targets in windows:
         assert inputs.shape == targets.shape == (batch_size, length) and inputs.dtype == mx.int32
         np.testing.assert_array_equal(np.array(targets), np.array(inputs) + 1)  # the next id
     streams = np.concatenate([np.array(inputs) for inputs, _ in windows], axis=1)  # (B, windows * L)
-    np.testing.assert_array_equal(streams, np.arange(batch_size)[:, None] * steps + np.arange(streams.shape[1]))
+    starts = offset + np.arange(batch_size)[:, None] * steps  # stream b starts at offset + b * S
+    np.testing.assert_array_equal(streams, starts + np.arange(streams.shape[1]))
 
 
 def test_tbptt_batches_rejects_bad_arguments():
@@ -167,3 +169,9 @@ def test_tbptt_batches_rejects_bad_arguments():
         data.tbptt_batches(np.linspace(0, 1, 10), 2, 2)
     with pytest.raises(ValueError, match="1-D"):
         data.tbptt_batches(np.zeros((4, 4), np.int32), 2, 2)
+    with pytest.raises(ValueError, match=r"offset: expected an int in \[0, length=2\), got 2"):
+        data.tbptt_batches(np.arange(10), 2, 2, offset=2)
+    with pytest.raises(ValueError, match="offset"):
+        data.tbptt_batches(np.arange(10), 2, 2, offset=-1)
+    with pytest.raises(TypeError, match="offset"):
+        data.tbptt_batches(np.arange(10), 2, 2, offset=0.5)
