@@ -104,16 +104,21 @@ def test_leaves_that_are_not_gradients_are_refused(tree, message):
 # ---- two processes ------------------------------------------------------------------------------------
 
 
-def test_two_ranks_train_exactly_like_one_process_on_the_combined_batch(tmp_path):
+def run_two_ranks(tmp_path, **environment) -> tuple[object, str]:
+    """Launch train_shards.py as two ranks writing into tmp_path; the result and a report of its output."""
     launch = launcher()
     if launch is None:
         pytest.skip("mlx.launch (MLX's launcher for distributed jobs) is not installed")
     command = [launch, "--backend", "ring", "-n", "2", "--starting-port", str(free_port_pair()),
                sys.executable, str(SCRIPT), str(tmp_path)]  # fmt: skip
-    environment = {**os.environ, "OPENBLAS_NUM_THREADS": "1", "OMP_NUM_THREADS": "1"}  # two ranks, two cores
+    environment = {**os.environ, "OPENBLAS_NUM_THREADS": "1", "OMP_NUM_THREADS": "1", **environment}  # 2 cores
     result = subprocess.run(command, capture_output=True, text=True, timeout=120, stdin=subprocess.DEVNULL,
                             env=environment)  # fmt: skip
-    output = f"mlx.launch exited with {result.returncode}\nstdout:\n{result.stdout}\nstderr:\n{result.stderr}"
+    return result, f"mlx.launch exited with {result.returncode}\nstdout:\n{result.stdout}\nstderr:\n{result.stderr}"
+
+
+def test_two_ranks_train_exactly_like_one_process_on_the_combined_batch(tmp_path):
+    result, output = run_two_ranks(tmp_path)
     script = load_script()
     for config in script.CONFIGS:
         paths = [tmp_path / f"{config}_rank{rank}.npz" for rank in (0, 1)]
@@ -139,3 +144,23 @@ def test_two_ranks_train_exactly_like_one_process_on_the_combined_batch(tmp_path
             np.testing.assert_allclose(rank0[name], value, rtol=0, atol=ATOL[config],
                                        err_msg=f"{config} {name}: 2 ranks vs one process")  # fmt: skip
     assert "rank 0 of 2: done" in result.stdout and "rank 1 of 2: done" in result.stdout, output
+
+
+def test_summing_instead_of_averaging_is_caught_at_the_gradient_and_by_sgd(tmp_path):
+    # Adam divides every step by the running size of the gradient, so a gradient twice too large
+    # moves Adam's parameters hardly at all: a parameter check with Adam alone can miss this slip.
+    # The checks above compare the averaged gradient itself, and train one model with plain SGD.
+    _, output = run_two_ranks(tmp_path, SEQLIB_PLANT_SUM="1")
+    script = load_script()
+    for config in script.CONFIGS:
+        rank0 = dict(np.load(tmp_path / f"{config}_rank0.npz"))
+        reference = script.train(config)
+        ratio = np.abs(rank0["first_values"]).sum() / np.abs(reference["first_values"]).sum()
+        assert ratio == pytest.approx(2.0, rel=1e-5), f"{config}: the planted sum should double the gradient"
+        with pytest.raises(AssertionError):  # what the test above asserts on the gradient
+            np.testing.assert_allclose(rank0["first_values"], reference["first_values"], rtol=1e-5, atol=1e-7)
+    sgd = dict(np.load(tmp_path / "sgd_rank0.npz"))
+    sgd_reference = script.train("sgd")
+    parameters = [name for name in sgd_reference if not name.startswith("first_")]
+    worst = max(np.abs(sgd[name] - sgd_reference[name]).max() for name in parameters)
+    assert worst > 100 * ATOL["sgd"], f"SGD's parameters should show the doubled step, moved only {worst}\n{output}"

@@ -13,6 +13,7 @@ the whole batches, which is what the ranks together must reproduce.
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
@@ -22,12 +23,14 @@ import mlx.core as mx
 import mlx.nn as nn
 import mlx.optimizers
 import numpy as np
-from mlx.utils import tree_flatten
+from mlx.utils import tree_flatten, tree_map
 
 seqlib.route_mlx_blas()  # on Linux: MLX's matrix products on OpenBLAS, as in the book
 
 VOCAB, DIM, HIDDEN, BATCH, LENGTH, STEPS = 40, 8, 16, 8, 6, 3
 CONFIGS = ("adam", "sgd")  # GRU with SparseAdam + Adam; LSTM with seqlib.optim.SGD for every parameter
+# SEQLIB_PLANT_SUM=1: the ranks sum their gradients instead of averaging them (the test shows it is caught)
+PLANTED_BUG = os.environ.get("SEQLIB_PLANT_SUM") == "1"
 
 
 class TinyModel(nn.Module):
@@ -83,6 +86,10 @@ def train(config: str, group=None, rank: int = 0, size: int = 1):
     for step, (inputs, targets) in enumerate(batches()):
         _, local = loss_and_grad(model, inputs[rows], targets[rows])
         grads = seqlib.distributed.average_gradients(local, group)
+        if PLANTED_BUG and size > 1:  # the classic slip: the ranks' gradients summed, not averaged
+            grads = tree_map(lambda g: seqlib.SparseGradient(g.indices, g.values * size, g.shape)
+                             if isinstance(g, seqlib.SparseGradient) else g * size, grads,
+                             is_leaf=lambda g: isinstance(g, seqlib.SparseGradient))  # fmt: skip
         if step == 0:
             first = grads["embedding"]["weight"]
             results = {"first_rows": np.array(first.indices), "first_values": np.array(first.values)}
