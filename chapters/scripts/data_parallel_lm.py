@@ -65,9 +65,15 @@ def arrays(tree):
     return [part for leaf in leaves for part in ((leaf.indices, leaf.values) if hasattr(leaf, "values") else (leaf,))]
 
 
-def train(group=None, steps: int = STEPS):
-    """Train on this rank's streams of every window; parameters, losses and per-step timings (seconds)."""
-    rank, size = (group.rank(), group.size()) if group is not None else (0, 1)
+def train(group=None, steps: int = STEPS, shard: tuple[int, int] = (0, 1)):
+    """Train on this rank's streams of every window.
+
+    Returns the parameters, the losses, per-step timings (seconds), the table rows touched per step,
+    and the first step's averaged gradient (every leaf dense, by name): the gradient, not only the
+    parameters, because Adam would take nearly the same step from a gradient twice too large."""
+    # (rank, size): this process's part of every batch; shard=(r, R) without a group computes
+    # rank r's part alone, with no one to average with (what one rank costs, undisturbed)
+    rank, size = (group.rank(), group.size()) if group is not None else shard
     rows = slice(rank * BATCH // size, (rank + 1) * BATCH // size)  # this rank's streams
     vocab_size, windows = training_windows()
     mx.random.seed(0)  # every rank starts from the same model
@@ -85,6 +91,9 @@ def train(group=None, steps: int = STEPS):
         averaged = time.perf_counter()
         grads = seqlib.distributed.average_gradients(grads, group)  # the one line data parallelism adds
         mx.eval(arrays(grads))
+        if step == 0:
+            first_gradient = {name: np.array(g.to_dense() if hasattr(g, "to_dense") else g)
+                              for name, g in tree_flatten(grads, is_leaf=lambda g: hasattr(g, "to_dense"))}
         updated = time.perf_counter()
         sparse_optimizer.update(model.embedding, grads["embedding"])
         dense_optimizer.update(model, {"recurrent": grads["recurrent"], "head": grads["head"]})
@@ -97,7 +106,8 @@ def train(group=None, steps: int = STEPS):
         losses.append(loss.item())
         rows_touched.append(grads["embedding"]["weight"].indices.size)
     parameters = {name: np.array(value) for name, value in tree_flatten(model.parameters())}
-    return parameters, np.array(losses), {name: np.array(values) for name, values in timings.items()}, rows_touched
+    timings = {name: np.array(values) for name, values in timings.items()}
+    return parameters, np.array(losses), timings, rows_touched, first_gradient
 
 
 def main(out_dir: Path) -> None:
@@ -105,9 +115,10 @@ def main(out_dir: Path) -> None:
     if group.size() < 2:
         raise SystemExit("data_parallel_lm.py: run it under mlx.launch with at least 2 ranks")
     with threadpool_limits(1, user_api="blas"):  # one core per rank
-        parameters, losses, timings, rows_touched = train(group)
+        parameters, losses, timings, rows_touched, first_gradient = train(group)
     np.savez(out_dir / f"rank{group.rank()}.npz", losses=losses, rows_touched=np.array(rows_touched),
              **{f"param/{name}": value for name, value in parameters.items()},
+             **{f"grad/{name}": value for name, value in first_gradient.items()},
              **{f"time/{name}": value for name, value in timings.items()})  # fmt: skip
     rank, size = group.rank(), group.size()
     first, last = rank * BATCH // size, (rank + 1) * BATCH // size - 1
