@@ -221,7 +221,14 @@ def static_settings(controls: dict, values: dict | None = None, combinations: li
 
 
 class _Recorder:
-    """What a call shows, in order: printed text and display outputs (figures) as HTML."""
+    """What a call shows, in order: printed text and display outputs (figures) as HTML.
+
+    It stands in for the shell's display publisher, whose ``is_publishing`` IPython's stderr tee
+    reads on every write: a warning inside the call goes to the cell's stderr as usual (where the
+    book build fails on it), not into the player.
+    """
+
+    is_publishing = False
 
     def __init__(self):
         self.parts: list[str] = []

@@ -73,6 +73,8 @@ def test_bad_settings_name_what_is_wrong():
 
 
 CELL = """
+import sys
+
 import matplotlib.pyplot as plt
 import ipywidgets as widgets
 from seqlib import plotting
@@ -80,6 +82,7 @@ from seqlib.notebook import interact
 
 def show(scale=1.0, label="x", flag=True):
     print("first", scale)
+    print("a note on stderr", file=sys.stderr)  # as a warning would: the cell's stderr, not the player
     _, axis = plotting.figure(figsize=(2, 1.5))
     axis.plot([0, 1], [0, scale])
     plt.show()
@@ -105,8 +108,10 @@ def player_data(html: str) -> dict:
 
 @pytest.mark.slow
 def test_in_the_book_build_the_cell_shows_a_player_over_every_setting(monkeypatch):
-    (output,) = run_cell(monkeypatch, static=True)
-    assert output.output_type == "display_data" and "application/vnd.jupyter.widget-view+json" not in output.data
+    outputs = run_cell(monkeypatch, static=True)
+    (output,) = [o for o in outputs if o.output_type == "display_data"]
+    assert "application/vnd.jupyter.widget-view+json" not in output.data
+    assert any(o.output_type == "stream" and o.name == "stderr" and "a note on stderr" in o.text for o in outputs)
     html = output.data["text/html"]
     assert "<script>" in html and "(function ()" in html  # the player script, inline
     data = player_data(html)
