@@ -5,7 +5,8 @@ chapter's is the generated one).  Here chapter 1's cell runs in a fresh virtual 
 has only Python and pip, with the repository it clones pointed at this checkout
 (``SEQLIB_REPOSITORY``: the clone holds what is committed); then the same Python imports seqlib
 and the chapter's requirements without a restart, the chapter runs top to bottom in a kernel of
-that environment, and the cell, run again with every package index out of reach, does nothing.
+that environment, and the cell, run again with every package index out of reach, does nothing;
+with one requirement removed it installs that one and leaves seqlib as it is.
 """
 
 from __future__ import annotations
@@ -72,3 +73,10 @@ def test_the_install_cell_makes_a_bare_python_run_the_chapter(tmp_path, monkeypa
                "PIP_NO_INDEX": "1", "PIP_FIND_LINKS": ""}  # fmt: skip
     done = run([python, "-c", cell], offline, tmp_path, timeout=120)
     assert done.stdout == "" and not (tmp_path / "none").exists()
+
+    # 4. One requirement missing: the cell installs it alone and leaves the installed seqlib (no clone).
+    run([python, "-m", "pip", "uninstall", "--quiet", "--yes", "ipywidgets"], env, tmp_path)
+    no_clone = {**env, "SEQLIB_REPOSITORY": str(tmp_path / "nowhere"), "SEQLIB_CHECKOUT": str(tmp_path / "none")}
+    check = "\nimport ipywidgets, seqlib\nprint('seqlib from', seqlib.__file__)"
+    done = run([python, "-c", cell + check], no_clone, tmp_path)
+    assert f"seqlib from {tmp_path / 'checkout' / 'seqlib'}" in done.stdout and not (tmp_path / "none").exists()

@@ -57,18 +57,21 @@ def install_if_missing():
     def present(module):
         try:
             return importlib.util.find_spec(module) is not None
-        except ModuleNotFoundError:  # "seqlib.notebook" where no seqlib is installed
+        except ImportError:  # "seqlib.notebook" where no seqlib (or a broken one) is installed
             return False
 
-    if all(present(module) for module in ["seqlib.notebook", *needed]):
+    missing = [requirement for module, requirement in needed.items() if not present(module)]
+    install = missing
+    if not present("seqlib.notebook"):  # an installed seqlib is left as it is
+        checkout = Path(os.environ.get("SEQLIB_CHECKOUT", Path.home() / "seqlib-book"))
+        if not (checkout / "pyproject.toml").exists():
+            repository = os.environ.get("SEQLIB_REPOSITORY", "{repository}")
+            subprocess.run(["git", "clone", "--quiet", "--depth=1", repository, str(checkout)], check=True)
+        install = ["-e", str(checkout), *missing]
+    if not install:
         return
-    checkout = Path(os.environ.get("SEQLIB_CHECKOUT", Path.home() / "seqlib-book"))
-    if not checkout.exists():
-        repository = os.environ.get("SEQLIB_REPOSITORY", "{repository}")
-        subprocess.run(["git", "clone", "--quiet", "--depth=1", repository, str(checkout)], check=True)
-    pip = [sys.executable, "-m", "pip", "install", "--quiet"]
-    subprocess.run([*pip, "-e", str(checkout), *needed.values()], check=True)
-    for folder in site.getsitepackages():  # the editable install's .pth, in this running kernel
+    subprocess.run([sys.executable, "-m", "pip", "install", "--quiet", *install], check=True)
+    for folder in site.getsitepackages():  # an editable install's .pth, in this running kernel
         site.addsitedir(folder)
     importlib.invalidate_caches()
 
