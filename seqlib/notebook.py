@@ -134,19 +134,13 @@ def control_values(name: str, widget, chosen=None) -> list[tuple[object, str]]:
     evenly spaced positions of its step grid from min to max (and max itself).  ``chosen`` names
     the values instead (each one the control can take); the control's default is always offered.
     """
-    import ipywidgets
-
-    if isinstance(widget, ipywidgets.Checkbox | ipywidgets.ToggleButton):
-        grid = [(False, "off"), (True, "on")]
-    elif isinstance(widget, ipywidgets.widgets.widget_selection._Selection):
-        grid = list(zip(widget._options_values, widget._options_labels, strict=True))
-    elif isinstance(widget, ipywidgets.IntSlider | ipywidgets.FloatSlider | ipywidgets.FloatLogSlider):
+    kind = _kind(name, widget)
+    if kind == "range":
         return _slider_values(name, widget, chosen)
+    if kind == "checkbox":
+        grid = [(False, "off"), (True, "on")]
     else:
-        raise TypeError(
-            f"interact: control {name!r} must be a slider, Dropdown, Checkbox or ToggleButton, "
-            f"got {type(widget).__name__}"
-        )
+        grid = list(zip(widget._options_values, widget._options_labels, strict=True))
     if chosen is None:
         return grid
     offered = [value for value, _ in grid]
@@ -193,11 +187,20 @@ def static_settings(controls: dict, values: dict | None = None, combinations: li
     The default setting comes first.  Every combination when there are at most ``MAX_FRAMES``;
     otherwise each control's values with the others at their defaults, then ``combinations``.
     """
+    return _settings(controls, _grids(controls, values), combinations)
+
+
+def _grids(controls: dict, values: dict | None) -> list[list[tuple[object, str]]]:
+    # each control's (value, label) pairs, in the order of ``controls``
     values = values or {}
     unknown = sorted(set(values) - set(controls))
     if unknown:
         raise ValueError(f"interact: values for {unknown}, which are not controls ({sorted(controls)})")
-    grids = [[value for value, _ in control_values(name, c, values.get(name))] for name, c in controls.items()]
+    return [control_values(name, control, values.get(name)) for name, control in controls.items()]
+
+
+def _settings(controls: dict, labelled: list[list[tuple[object, str]]], combinations: list[dict] | None) -> list[tuple]:
+    grids = [[value for value, _ in grid] for grid in labelled]
     default = tuple(grid.index(widget.value) for grid, widget in zip(grids, controls.values(), strict=True))
     if math.prod(len(grid) for grid in grids) <= MAX_FRAMES:
         settings = list(itertools.product(*(range(len(grid)) for grid in grids)))
@@ -301,8 +304,8 @@ def render_setting(function, setting: dict) -> str:
 def static_player(function, controls: dict, values: dict | None = None, combinations: list[dict] | None = None) -> str:
     """The HTML of :func:`interact`'s kernel-free player: controls, precomputed outputs, the script that switches."""
     names = list(controls)
-    grids = [control_values(name, controls[name], (values or {}).get(name)) for name in names]
-    settings = static_settings(controls, values, combinations)
+    grids = _grids(controls, values)
+    settings = _settings(controls, grids, combinations)
     outputs: dict[str, int] = {}  # distinct output -> its index; settings that show the same share it
     shown = []
     for setting in settings:
@@ -312,7 +315,7 @@ def static_player(function, controls: dict, values: dict | None = None, combinat
     data = {
         "function": getattr(function, "__name__", ""),
         "controls": [
-            {"name": name, "description": _description(name, controls[name]), "kind": _kind(controls[name]),
+            {"name": name, "description": _description(name, controls[name]), "kind": _kind(name, controls[name]),
              "values": [value for value, _ in grid], "labels": [label for _, label in grid]}
             for name, grid in zip(names, grids, strict=True)
         ],
@@ -330,14 +333,19 @@ def static_player(function, controls: dict, values: dict | None = None, combinat
     )
 
 
-def _kind(widget) -> str:
+def _kind(name: str, widget) -> str:
+    """How the player draws control ``name``: "range" (a slider), "select" or "checkbox"."""
     import ipywidgets
 
     if isinstance(widget, ipywidgets.Checkbox | ipywidgets.ToggleButton):
         return "checkbox"
     if isinstance(widget, ipywidgets.widgets.widget_selection._Selection):
         return "select"
-    return "range"
+    if isinstance(widget, ipywidgets.IntSlider | ipywidgets.FloatSlider | ipywidgets.FloatLogSlider):
+        return "range"
+    raise TypeError(
+        f"interact: control {name!r} must be a slider, Dropdown, Checkbox or ToggleButton, got {type(widget).__name__}"
+    )
 
 
 def _description(name: str, widget) -> str:

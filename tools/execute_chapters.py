@@ -24,11 +24,20 @@ sys.path.insert(0, str(ROOT / "book" / "_ext"))
 from book_kernels import configure_kernel_manager  # noqa: E402
 
 
+def run(notebook, folder: Path, timeout: int = 600, **kernel) -> None:
+    """Execute ``notebook`` (an nbformat node, outputs filled in place) from ``folder``, with the book's client.
+
+    ``kernel`` goes to the kernel's start (``env=...``)."""
+    configure_kernel_manager()
+    resources = {"metadata": {"path": str(folder)}}
+    NotebookClient(notebook, timeout=timeout, kernel_name="python3", resources=resources).execute(**kernel)
+
+
 def execute(path: Path, timeout: int = 600) -> float:
+    """Re-execute the notebook at ``path`` from its folder and write it back; the seconds it took."""
     notebook = nbformat.read(path, as_version=4)
     start = time.perf_counter()
-    resources = {"metadata": {"path": str(path.parent)}}
-    NotebookClient(notebook, timeout=timeout, kernel_name="python3", resources=resources).execute()
+    run(notebook, path.parent, timeout)
     nbformat.write(notebook, path)
     return time.perf_counter() - start
 
@@ -37,7 +46,6 @@ def main(paths: list[str]) -> int:
     if not paths:
         print(__doc__)
         return 2
-    configure_kernel_manager()
     for name in paths:
         print(f"{name}: executed in {execute(Path(name).resolve()):.1f} s", flush=True)
     return 0

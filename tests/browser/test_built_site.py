@@ -104,14 +104,16 @@ def test_chapter_math_is_typeset_offline_with_fonts_from_the_site(browser, site_
 def test_chapter_has_launch_buttons_for_its_own_notebook(page_path):
     # Binder and Colab open the chapter's notebook from the repository in _config.yml
     # (its first cell then installs what is missing: tools/install_cell.py)
-    import re
+    import sys
 
     from conftest import ROOT, SITE
 
-    config = (ROOT / "_config.yml").read_text()
-    repository = re.search(r"^repository:\s*\n\s+url:\s*https://github.com/(\S+)", config, re.M)
-    assert repository, "_config.yml names no GitHub repository"
+    sys.path.insert(0, str(ROOT / "tools"))
+    from install_cell import repository_url  # where _config.yml's address is read, for the install cells too
+
+    repository = repository_url().removeprefix("https://github.com/")
+    assert "/" in repository and "://" not in repository, f"not a GitHub repository: {repository_url()}"
     notebook = page_path.replace(".html", ".ipynb")
     html = (SITE / page_path).read_text()
-    assert f'href="https://mybinder.org/v2/gh/{repository.group(1)}/main?urlpath=lab/tree/{notebook}"' in html
-    assert f'href="https://colab.research.google.com/github/{repository.group(1)}/blob/main/{notebook}"' in html
+    assert f'href="https://mybinder.org/v2/gh/{repository}/main?urlpath=lab/tree/{notebook}"' in html
+    assert f'href="https://colab.research.google.com/github/{repository}/blob/main/{notebook}"' in html

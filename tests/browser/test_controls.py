@@ -69,7 +69,7 @@ def test_every_control_drives_its_precomputed_output(browser, site_url, page_pat
         player = players.nth(p)
         data = json.loads(player.locator(".seqlib-interact-data").text_content())
         expected = [as_parsed(page, html) for html in data["outputs"]]
-        ranges = [c for c in data["controls"] if c["kind"] == "range"]
+        ranges = [m for m, c in enumerate(data["controls"]) if c["kind"] == "range"]  # controls with a readout
         start = shown_state(player)
         assert start["setting"] == 0 and start["output"] == expected[data["shows"][0]], f"{page_path}: not the default"
         for i, control in enumerate(data["controls"]):
@@ -85,7 +85,7 @@ def test_every_control_drives_its_precomputed_output(browser, site_url, page_pat
                     shows = state["positions"][m]
                     want = other["labels"][setting[m]] if other["kind"] == "checkbox" else setting[m]
                     assert shows == want, f"{where}: control {other['name']!r} shows {shows}, setting has {want}"
-                assert state["readouts"] == [c["labels"][setting[data["controls"].index(c)]] for c in ranges], where
+                assert state["readouts"] == [data["controls"][m]["labels"][setting[m]] for m in ranges], where
                 assert state["output"] == expected[data["shows"][state["setting"]]], where
                 outputs_seen.add(state["output"])
             assert len(outputs_seen) > 1, f"{where}: moving it never changes what the page shows"

@@ -23,12 +23,11 @@ import nbformat
 import numpy as np
 import pytest
 from conftest import ROOT, SITE, site_pages, skip_or_fail_without_prerequisites
-from nbclient import NotebookClient
 
 from seqlib.notebook import STATIC_CONTROLS_ENV
 
-sys.path.insert(0, str(ROOT / "book" / "_ext"))
-from book_kernels import configure_kernel_manager  # the book build's kernel client (issue 27)
+sys.path.insert(0, str(ROOT / "tools"))
+from execute_chapters import run  # a chapter run with the book build's kernel client (issue 27)
 
 pytestmark = pytest.mark.browser
 
@@ -64,11 +63,8 @@ def recompute(page_path: str, asked: list[tuple[str, dict]]) -> list[str]:
     notebook_path = ROOT / page_path.replace(".html", ".ipynb")
     nb = nbformat.read(notebook_path, as_version=4)
     nb.cells.append(nbformat.v4.new_code_cell(RECOMPUTE.format(asked=json.dumps(asked))))
-    resources = {"metadata": {"path": str(notebook_path.parent)}}  # run where the book runs it
-    NotebookClient(nb, timeout=600, kernel_name="python3", resources=resources).execute(
-        env={**os.environ, STATIC_CONTROLS_ENV: "0"}
-    )
-    text = "".join(output.get("text", "") for output in nb.cells[-1].outputs if output.output_type == "stream")
+    run(nb, notebook_path.parent, env={**os.environ, STATIC_CONTROLS_ENV: "0"})  # where the book runs it
+    text = "".join(output.text for output in nb.cells[-1].outputs if output.get("name") == "stdout")
     return json.loads(text)
 
 
@@ -118,7 +114,6 @@ def check(page_path: str) -> list[str]:
 
 def test_a_sample_of_every_players_outputs_matches_a_live_kernel():
     assert CHAPTER_PAGES, "no chapter pages"
-    configure_kernel_manager()  # widget messages cannot hide a reply from this client
     with ThreadPoolExecutor(max_workers=2) as pool:  # two kernels: this machine has two cores
         problems = [problem for found in pool.map(check, CHAPTER_PAGES) for problem in found]
     assert problems == [], "\n".join(problems)
