@@ -97,6 +97,15 @@ def _native_serves(weight: mx.array, indices: mx.array) -> bool:
     return max(weight.shape[0], indices.size) < 2**31 and path_for(weight.dtype) == "native"
 
 
+def _take_rows(weight: mx.array, indices: mx.array, path: str) -> mx.array:
+    """``weight[indices]``, (*) -> (*, D), with its gradient: seqlib.native's gather where it serves (each row
+    one copy, the next rows prefetched, on every core; MLX's CPU gather moves one float at a time), else
+    ``mx.take``.  ``indices`` lie in [0, V) (checked by the caller)."""
+    if path == "native" and _native_serves(weight, indices):
+        return native.extension().take_rows(weight, indices.astype(mx.int32))
+    return mx.take(weight, indices, axis=0)
+
+
 def _native_pool(weight, indices, bounds, mode, entry_weights, padding_idx) -> mx.array:
     """:func:`seqlib.kernels.bag_kernels.pool_bags`'s contract on seqlib.native's CPU primitive.
 
@@ -256,7 +265,7 @@ def embedding(
     if path == "kernels":
         grad_scale = _inverse_frequency(indices, num_embeddings).reshape(-1) if scale_grad_by_freq else None
         return _with_nan_rows(embedding_kernels.gather_rows(weight, indices, padding_idx, grad_scale), outside)
-    rows = _with_nan_rows(mx.take(weight, indices, axis=0), outside)  # (*, D)
+    rows = _with_nan_rows(_take_rows(weight, indices, path), outside)  # (*, D)
     if padding_idx is None and not scale_grad_by_freq:
         return rows
     grad_scale = mx.ones(indices.shape, dtype=mx.float32)

@@ -9,6 +9,7 @@ arrays and gradients, and the build's fallback is exercised in a fresh interpret
 import os
 import subprocess
 import sys
+import tempfile
 import textwrap
 
 import mlx.core as mx
@@ -278,6 +279,38 @@ def test_take_rows_copies_rows_bit_for_bit():
     large = random((3000, 70), 5)
     picks = mx.array(np.random.default_rng(1).integers(0, 3000, 20000).astype(np.int32))  # several threads
     assert np.array_equal(np.array(native.extension().take_rows(large, picks)), np.array(large)[np.array(picks)])
+
+
+@linux_only
+@settings(max_examples=20, deadline=None)
+@given(shape=st.lists(st.integers(0, 5), min_size=0, max_size=3), padding=st.booleans(), by_freq=st.booleans(),
+       lazy=st.booleans(), seed=st.integers(0, 1000))
+def test_a_lookup_gathers_in_the_primitive_and_its_gradient_adds_every_row(shape, padding, by_freq, lazy, seed):
+    """seqlib.functional.embedding on the native path reads rows with TakeRows (MLX's CPU gather moves one float at a
+    time); its values equal mx.take's bit for bit and its table gradient the scatter-add's, for any shape of ids,
+    with padding_idx and scale_grad_by_freq, from evaluated ids (checked on the host) and lazy ones (in the graph)."""
+    from seqlib import functional
+
+    rng = np.random.default_rng(seed)
+    table = random((7, 5), seed)
+    ids = mx.array(rng.integers(0, 7, shape).astype(np.int64))
+    ids = ids + 0 if lazy else ids
+    cotangent = random((*shape, 5), seed + 1)
+    options = dict(padding_idx=3 if padding else None, scale_grad_by_freq=by_freq)
+
+    def value_and_grad():
+        def loss(weight):
+            return mx.sum(functional.embedding(ids, weight, **options) * cotangent)
+        return functional.embedding(ids, table, **options), mx.grad(loss)(table)
+
+    rows, grad = value_and_grad()
+    with tempfile.TemporaryDirectory() as folder:  # the graph, before evaluation detaches it
+        mx.export_to_dot(os.path.join(folder, "graph.dot"), rows)
+        assert "TakeRows" in open(os.path.join(folder, "graph.dot")).read()
+    with kernels.use_backend("plain"):  # mx.take and its scatter-add vjp
+        want_rows, want_grad = value_and_grad()
+    assert np.array(rows).tobytes() == np.array(want_rows).tobytes()
+    np.testing.assert_allclose(np.array(grad), np.array(want_grad), rtol=1e-6, atol=1e-6)
 
 
 @linux_only

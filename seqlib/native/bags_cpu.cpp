@@ -404,10 +404,43 @@ std::vector<mx::array> bag_pool_backward(const mx::array& cotangent, const mx::a
                                Bag{mode, padding_idx, entry_weights.has_value()});
 }
 
+// The gather's vector-Jacobian product: every looked-up row adds its cotangent row into the table's
+// gradient, which is the sum-mode bag backward with one entry per bag (bounds 0, 1, ..., N).
+// primals: table (V, D), indices (*); cotangents: (*, D)
+std::vector<mx::array> take_rows_vjp(const Bag&, const std::vector<mx::array>& primals,
+                                     const std::vector<mx::array>& cotangents, const std::vector<int>& argnums,
+                                     const std::vector<mx::array>&) {
+  const auto s = seqlib_cpu::cpu_stream();
+  const int count = static_cast<int>(primals[1].size()), dim = primals[0].shape(1);
+  const mx::array indices = mx::reshape(primals[1], {count}, s);                  // (N,)
+  const mx::array cotangent = mx::reshape(cotangents[0], {count, dim}, s);        // (N, D)
+  const mx::array bounds = mx::arange(0, count + 1, mx::int32, s);                // one entry per bag
+  std::vector<mx::array> grads;
+  for (int argnum : argnums) {
+    if (argnum == 0) {
+      grads.push_back(seqlib_cpu::make_loop("EmbeddingBagPoolBackward", pool_backward, {primals[0].shape()},
+                                            {mx::float32}, {&cotangent, &primals[0], &indices, &bounds},
+                                            Bag{kSum, -1, false})[0]);
+    } else {
+      grads.push_back(mx::zeros_like(primals[argnum], s));
+    }
+  }
+  return grads;
+}
+
+// TakeRows' output, (*, D), for a table (V, D) and indices (*) of any shape (mx.compile(shapeless=True)).
+std::vector<mx::Shape> gathered_shape(const std::vector<mx::array>& inputs) {
+  mx::Shape shape = inputs[1].shape();
+  shape.push_back(inputs[0].shape(1));
+  return {shape};
+}
+
+// table (V, D) float32, indices (*) int32 in [0, V) -> rows (*, D): a copy of each looked-up row, with a
+// gradient for the table.
 mx::array take_rows(const mx::array& table, const mx::array& indices) {
-  check_bag_arrays(table, indices, mx::array({0}), std::nullopt);
-  return seqlib_cpu::make_loop("TakeRows", gather, {{indices.shape(0), table.shape(1)}}, {mx::float32},
-                               {&table, &indices}, Bag{0, -1, false})[0];
+  check_bag_arrays(table, mx::reshape(indices, {-1}), mx::array({0}), std::nullopt);
+  return seqlib_cpu::make_loop("TakeRows", gather, gathered_shape({table, indices}), {mx::float32},
+                               {&table, &indices}, Bag{kSum, -1, false}, take_rows_vjp, gathered_shape)[0];
 }
 
 }  // namespace

@@ -134,13 +134,16 @@ void check_integer(const mx::array& array, const char* name) {
   }
 }
 
+// CheckedIndices' output has its input's shape, whatever that is (mx.compile(shapeless=True)).
+std::vector<mx::Shape> same_shape(const std::vector<mx::array>& inputs) { return {inputs[0].shape()}; }
+
 mx::array checked_indices(const mx::array& indices, int64_t upper, std::string name, std::string what) {
   check_integer(indices, "indices");
   if (upper < 0 || upper > std::numeric_limits<int32_t>::max()) {
     throw std::invalid_argument("checked_indices: upper must lie in [0, 2**31)");
   }
   return seqlib_cpu::make_loop("CheckedIndices", check_indices, {indices.shape()}, {mx::int32}, {&indices},
-                               Range{upper, std::move(name), std::move(what)}, nullptr, true)[0];
+                               Range{upper, std::move(name), std::move(what)}, nullptr, same_shape)[0];
 }
 
 mx::array checked_bounds(const mx::array& offsets, int64_t input_size, bool include_last_offset) {

@@ -47,12 +47,15 @@ class CpuLoop : public mx::Primitive {
   using Vjp = std::vector<mx::array> (*)(const Params& params, const std::vector<mx::array>& primals,
                                          const std::vector<mx::array>& cotangents, const std::vector<int>& argnums,
                                          const std::vector<mx::array>& outputs);
+  // The outputs' shapes for inputs of other shapes (mx.compile(shapeless=True)), for a loop whose outputs
+  // follow its inputs' shapes alone; nullptr: the loop is fixed by what it was built for.
+  using ShapeRule = std::vector<mx::Shape> (*)(const std::vector<mx::array>& inputs);
 
   CpuLoop(mx::Stream stream, const char* name, Runner runner, Params params, std::vector<mx::Shape> shapes,
           std::vector<mx::Dtype> dtypes, std::vector<mx::Shape> input_shapes, Vjp vjp = nullptr,
-          bool elementwise = false)
+          ShapeRule shape_rule = nullptr)
       : mx::Primitive(stream), name_(name), runner_(runner), params_(std::move(params)), shapes_(std::move(shapes)),
-        dtypes_(std::move(dtypes)), input_shapes_(std::move(input_shapes)), vjp_(vjp), elementwise_(elementwise) {}
+        dtypes_(std::move(dtypes)), input_shapes_(std::move(input_shapes)), vjp_(vjp), shape_rule_(shape_rule) {}
 
   void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override {
     for (auto& out : outputs) {
@@ -95,7 +98,7 @@ class CpuLoop : public mx::Primitive {
       std::vector<mx::Shape> slice_shapes;
       for (auto& array : slice) slice_shapes.push_back(array.shape());
       auto loop = std::make_shared<CpuLoop>(stream(), name_, runner_, params_, shapes_, dtypes_, slice_shapes, vjp_,
-                                            elementwise_);
+                                            shape_rule_);
       auto outputs = mx::array::make_arrays(shapes_, dtypes_, loop, slice);
       for (size_t j = 0; j < outputs.size(); ++j) results[j].push_back(outputs[j]);
     }
@@ -115,13 +118,13 @@ class CpuLoop : public mx::Primitive {
     return vjp_(params_, primals, cotangents, argnums, outputs);
   }
 
-  // mx.compile(shapeless=True) asks again when the inputs' shapes change: an elementwise loop follows them;
-  // the others' loops are fixed by what they were built for (batch_sizes, bags), so they say so.
+  // mx.compile(shapeless=True) asks again when the inputs' shapes change: a loop with a shape rule follows
+  // them; the others' loops are fixed by what they were built for (batch_sizes, bags), so they say so.
   std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override {
     bool same = inputs.size() == input_shapes_.size();
     for (size_t i = 0; same && i < inputs.size(); ++i) same = inputs[i].shape() == input_shapes_[i];
     if (same) return shapes_;
-    if (elementwise_) return {inputs[0].shape()};
+    if (shape_rule_ != nullptr) return shape_rule_(inputs);
     throw std::invalid_argument(std::string(name_) + ": its loop was built for its inputs' shapes (the steps or bags "
                                 "are fixed when it is made), so mx.compile(..., shapeless=True) cannot change them; "
                                 "compile without shapeless=True");
@@ -145,8 +148,8 @@ class CpuLoop : public mx::Primitive {
   std::vector<mx::Shape> shapes_;  // of the outputs (they follow from Params and the inputs' shapes)
   std::vector<mx::Dtype> dtypes_;
   std::vector<mx::Shape> input_shapes_;  // what the loop was built for
-  Vjp vjp_;           // nullptr: no gradient (a backward loop, a check)
-  bool elementwise_;  // one input, one output of its shape (CheckedIndices)
+  Vjp vjp_;               // nullptr: no gradient (a backward loop, a check)
+  ShapeRule shape_rule_;  // nullptr: fixed shapes (a time loop, bags)
 };
 
 inline mx::Stream cpu_stream() { return mx::default_stream(mx::Device(mx::Device::cpu)); }
@@ -156,7 +159,8 @@ template <class Params>
 std::vector<mx::array> make_loop(const char* name, typename CpuLoop<Params>::Runner runner,
                                  std::vector<mx::Shape> shapes, std::vector<mx::Dtype> dtypes,
                                  const std::vector<const mx::array*>& inputs, Params params,
-                                 typename CpuLoop<Params>::Vjp vjp = nullptr, bool elementwise = false) {
+                                 typename CpuLoop<Params>::Vjp vjp = nullptr,
+                                 typename CpuLoop<Params>::ShapeRule shape_rule = nullptr) {
   auto s = cpu_stream();
   std::vector<mx::array> contiguous;
   for (auto* array : inputs) {  // an evaluated row-contiguous array (a weight, a state) is used as it is
@@ -166,7 +170,7 @@ std::vector<mx::array> make_loop(const char* name, typename CpuLoop<Params>::Run
   std::vector<mx::Shape> input_shapes;
   for (auto& array : contiguous) input_shapes.push_back(array.shape());
   auto primitive = std::make_shared<CpuLoop<Params>>(s, name, runner, std::move(params), shapes, dtypes,
-                                                     std::move(input_shapes), vjp, elementwise);
+                                                     std::move(input_shapes), vjp, shape_rule);
   return mx::array::make_arrays(std::move(shapes), std::move(dtypes), primitive, contiguous);
 }
 
