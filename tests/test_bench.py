@@ -24,7 +24,7 @@ def test_recurrent_suite_runs_validates_and_prints_ratios_against_torch_and_mlx_
                             capture_output=True, text=True, timeout=600)  # fmt: skip
     assert result.returncode == 0, result.stderr[-3000:]
     for expected in ("LSTM forward,", "LSTM forward + backward", "GRU forward,", "vs mlx.nn", "torch (1 thread)",
-                     "GFLOP of matmuls", "summary", "[ok]"):  # fmt: skip
+                     "GFLOP of matmuls", "summary", "[ok]", "this machine's limits", "x limit"):  # fmt: skip
         assert expected in result.stdout
     assert "MISMATCH" not in result.stdout
 
@@ -107,3 +107,20 @@ def test_benchmarks_name_the_cpu_and_its_vector_extensions():
     described = cpu_vector_extensions()
     model, _, extensions = described.partition("; vector extensions: ")
     assert model and "sse4_2" in extensions.split(), described
+
+
+def test_the_limit_columns_divide_by_the_machines_roofline(capsys):
+    """Given a machine, each case gets the roofline's time on it (the longer of FLOPs over the matmul rate and
+    bytes over the bandwidth) and every median over that time, as columns of its table."""
+    import time
+
+    from seqlib.bench.machine import Machine
+
+    machine = Machine(sgemm_flops=1e9, bandwidth=1e9, sgemm_size=1, copy_bytes=1, threads=1)
+    case = Case("limits", {"sleeper": lambda: time.sleep(0.002) or 1.0}, flops=4e6, bytes_moved=1e6)
+    row = run_cases([case], repeats=1, warmup=0, machine=machine)[0]
+    assert row["limit_ms"] == pytest.approx(4.0)  # 4e6 FLOP at 1 GFLOP/s, above 1e6 bytes at 1 GB/s
+    assert row["vs_limit"] == pytest.approx(row["median_ms"] / 4.0)
+    header = next(line for line in capsys.readouterr().out.splitlines() if "implementation" in line)
+    assert header.split()[-4:] == ["limit", "ms", "x", "limit"]
+    assert machine.limit_seconds(flops=1e6, bytes_moved=3e6) == pytest.approx(3e-3)  # bandwidth-bound

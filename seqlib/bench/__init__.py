@@ -6,7 +6,9 @@ repeat times each implementation once, in a rotating order — so a noisy
 neighbour on a shared machine slows all of them alike, and reports medians and
 the ratios of each implementation's median to torch's and to plain MLX's.
 Next to each time it prints the napkin math: the bytes a case must move at
-least, and its FLOPs, as achieved GB/s and GFLOP/s.  Every implementation is
+least, and its FLOPs, as achieved GB/s and GFLOP/s; given this machine's own
+limits (:mod:`seqlib.bench.machine`), also the roofline's time for the case
+("limit ms") and each median over it ("x limit").  Every implementation is
 checked against the first one before anything is timed.
 """
 
@@ -78,8 +80,11 @@ def _median_seconds(samples: list[float]) -> float:
     return float(np.median(samples))
 
 
-def run_cases(cases: list[Case], repeats: int = 15, warmup: int = 2, show: bool = True) -> list[dict]:
-    """Validate, then time every case; print a table per case (unless ``show`` is False) and return its rows."""
+def run_cases(cases: list[Case], repeats: int = 15, warmup: int = 2, show: bool = True, machine=None) -> list[dict]:
+    """Validate, then time every case; print a table per case (unless ``show`` is False) and return its rows.
+
+    ``machine`` (a :class:`seqlib.bench.machine.Machine`): add each case's roofline time on it and each
+    median over that time (``limit_ms``, ``vs_limit``; None where the case has no napkin math)."""
     rows = []
     for case in cases:
         names = list(case.implementations)
@@ -104,6 +109,7 @@ def run_cases(cases: list[Case], repeats: int = 15, warmup: int = 2, show: bool 
                 case.implementations[name]()
                 samples[name].append(time.perf_counter() - start)
         medians = {name: _median_seconds(times) for name, times in samples.items()}
+        limit = machine.limit_seconds(case.flops, case.bytes_moved) if machine else 0.0
         for name in names:
             rows.append({
                 "case": case.name, "implementation": name, "median_ms": 1e3 * medians[name],
@@ -111,13 +117,15 @@ def run_cases(cases: list[Case], repeats: int = 15, warmup: int = 2, show: bool 
                 "vs_mlx": medians[name] / medians[case.mlx_baseline] if case.mlx_baseline in medians else None,
                 "GB/s": case.bytes_moved / medians[name] / 1e9 if case.bytes_moved else None,
                 "GFLOP/s": case.flops / medians[name] / 1e9 if case.flops else None,
+                "limit_ms": 1e3 * limit if limit else None,
+                "vs_limit": medians[name] / limit if limit else None,
             })  # fmt: skip
         if show:
-            _print_case(case, rows[-len(names):])
+            _print_case(case, rows[-len(names):], limits=machine is not None)
     return rows
 
 
-def _print_case(case: Case, rows: list[dict]) -> None:
+def _print_case(case: Case, rows: list[dict], limits: bool = False) -> None:
     def fmt(value, spec):
         width = spec.lstrip(">").split(".")[0]
         return format(value, spec) if value is not None else format("-", f">{width}")
@@ -127,9 +135,13 @@ def _print_case(case: Case, rows: list[dict]) -> None:
         print(f"  {note}")
     vs_mlx = f"vs {case.mlx_baseline}"
     vs_width = max(12, len(vs_mlx) + 2)  # the column fits its header, however long the baseline's name
-    print(f"  {'implementation':<26}{'median ms':>11}{'vs torch':>10}{vs_mlx:>{vs_width}}{'GB/s':>8}{'GFLOP/s':>9}")
+    limit_header = f"{'limit ms':>10}{'x limit':>9}" if limits else ""
+    print(f"  {'implementation':<26}{'median ms':>11}{'vs torch':>10}{vs_mlx:>{vs_width}}{'GB/s':>8}{'GFLOP/s':>9}"
+          f"{limit_header}")  # fmt: skip
     for row in rows:
+        limit_columns = f"{fmt(row['limit_ms'], '>10.2f')}{fmt(row['vs_limit'], '>9.2f')}" if limits else ""
         print(
             f"  {row['implementation']:<26}{row['median_ms']:>11.2f}{fmt(row['vs_torch'], '>10.2f')}"
             f"{fmt(row['vs_mlx'], f'>{vs_width}.2f')}{fmt(row['GB/s'], '>8.1f')}{fmt(row['GFLOP/s'], '>9.1f')}"
+            f"{limit_columns}"
         )

@@ -18,6 +18,7 @@ import numpy as np
 
 import seqlib
 from seqlib.bench import Case, print_versions, run_cases
+from seqlib.bench.machine import measure_machine
 
 HAVE_TORCH = importlib.util.find_spec("torch") is not None
 
@@ -202,11 +203,13 @@ def peak_memory_report(vocab: int, dim: int, num_bags: int, max_len: int) -> Non
 
 def main(repeats: int = 15, quick: bool = False) -> None:
     print_versions()
+    machine = measure_machine()
+    print(machine.describe())
     if quick:
         cases = [embedding_case(5_000, 64, (8, 100)), *bag_cases(20_000, 32, 256, 40)]
-        run_cases(cases, repeats=3, warmup=1)
+        run_cases(cases, repeats=3, warmup=1, machine=machine)
         peak_memory_report(20_000, 32, 256, 40)
         return
     cases = [embedding_case(50_000, 300, (32, 1000)), *bag_cases(1_000_000, 128, 4096, 40)]
-    run_cases(cases, repeats=repeats)
+    run_cases(cases, repeats=repeats, machine=machine)
     peak_memory_report(1_000_000, 128, 4096, 40)

@@ -35,6 +35,7 @@ import numpy as np
 
 import seqlib
 from seqlib.bench import Case, print_versions, run_cases
+from seqlib.bench.machine import measure_machine
 from seqlib.interop import to_mlx
 
 HAVE_TORCH = importlib.util.find_spec("torch") is not None
@@ -161,11 +162,13 @@ def main(repeats: int = 7, quick: bool = False) -> None:
     shapes = QUICK_SHAPES if quick else SHAPES
     cases = [recurrent_case(kind, shape, backward) for shape in shapes
              for kind in ("LSTM", "GRU") for backward in (False, True)]  # fmt: skip
-    rows = run_cases(cases, repeats=2 if quick else repeats, warmup=1)
+    machine = measure_machine()
+    print(machine.describe())
+    rows = run_cases(cases, repeats=2 if quick else repeats, warmup=1, machine=machine)
     _print_summary(rows)
     print_peak_memory(shapes)
     print_scaling(QUICK_SCALING_STEPS if quick else SCALING_STEPS, repeats=2 if quick else max(3, repeats // 2))
-    print_streaming(QUICK_STREAM_WIDTHS if quick else STREAM_WIDTHS, repeats=2 if quick else repeats)
+    print_streaming(QUICK_STREAM_WIDTHS if quick else STREAM_WIDTHS, repeats=2 if quick else repeats, machine=machine)
 
 
 # ----------------------------------------------------------------- memory of a training step
@@ -350,18 +353,23 @@ def streaming_case(kind: str, hidden_size: int) -> Case:
     )
 
 
-def print_streaming(widths=STREAM_WIDTHS, repeats: int = 7) -> list[dict]:
-    """Time one streamed step per kind and width; print microseconds per step and ratios to torch."""
+def print_streaming(widths=STREAM_WIDTHS, repeats: int = 7, machine=None) -> list[dict]:
+    """Time one streamed step per kind and width; print microseconds per step and ratios to torch (and, given
+    ``machine``, seqlib's time over the step's limit: its weights' bytes over the bandwidth, or its FLOPs over
+    the matmul rate; weights that stay in cache can beat the first)."""
     print("\nstreaming: microseconds per step at batch 1, state carried, evaluated every step")
     rows = []
     for hidden_size in widths:
         for kind in ("LSTMCell", "GRUCell", "LSTM", "GRU"):
-            case_rows = run_cases([streaming_case(kind, hidden_size)], repeats=repeats, warmup=1, show=False)
+            case_rows = run_cases([streaming_case(kind, hidden_size)], repeats=repeats, warmup=1, show=False,
+                                  machine=machine)
             rows += case_rows
             times = {row["implementation"]: 1e3 * row["median_ms"] / STREAM_STEPS for row in case_rows}
             line = f"  {case_rows[0]['case']:<62}" + "".join(f"  {name} {time:7.1f}" for name, time in times.items())
             if "torch (1 thread)" in times:
                 line += f"   seqlib/torch x{times['seqlib'] / times['torch (1 thread)']:.2f}"
+            if case_rows[0]["vs_limit"] is not None:
+                line += f"   x{case_rows[0]['vs_limit']:.1f} limit"
             print(line)
     return rows
 
@@ -376,4 +384,7 @@ def _print_summary(rows: list[dict]) -> None:
         if "torch (1 thread)" in times:
             line += f"   x{times['seqlib'] / times['torch (1 thread)']:.2f} torch 1-thread"
         line += f"   x{times['seqlib'] / times['mlx.nn']:.2f} mlx.nn"
+        limit = next(row["vs_limit"] for row in rows if row["case"] == case and row["implementation"] == "seqlib")
+        if limit is not None:
+            line += f"   x{limit:.2f} limit"
         print(line)

@@ -1,0 +1,80 @@
+"""This machine's own limits, measured: the rate of a large float32 matmul and of a large copy.
+
+A benchmark time says little until it stands next to what the machine could do.  The two
+numbers here are the machine's roofline, measured rather than taken from a data sheet:
+
+- ``sgemm_flops``: FLOP/s of one large square float32 product through MLX (OpenBLAS behind
+  seqlib's routing on Linux, Accelerate on a Mac), with the threads BLAS is set to use.  No
+  recurrent layer can turn its matmul FLOPs into time faster than this.
+- ``bandwidth``: bytes/s (read plus write) of copying a buffer far larger than the caches with
+  NumPy, split over every core this process may use.  A step at batch 1 reads every weight
+  once, so its time is bound by bytes over this.
+
+:meth:`Machine.limit_seconds` is the roofline's time for a workload: the longer of its FLOPs
+over the matmul rate and its bytes over the bandwidth.  The harness prints it beside each case
+(the "limit ms" column) and each implementation's time over it ("x limit").
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+import numpy as np
+
+__all__ = ["Machine", "measure_machine"]
+
+
+@dataclass(frozen=True)
+class Machine:
+    """A machine's measured matmul rate (FLOP/s) and copy bandwidth (bytes/s)."""
+
+    sgemm_flops: float
+    bandwidth: float
+    sgemm_size: int
+    copy_bytes: int
+    threads: int
+
+    def limit_seconds(self, flops: float, bytes_moved: float) -> float:
+        """The roofline's time: ``max(flops / sgemm_flops, bytes_moved / bandwidth)``."""
+        return max(flops / self.sgemm_flops, bytes_moved / self.bandwidth)
+
+    def describe(self) -> str:
+        return (f"this machine's limits: float32 matmul {self.sgemm_flops / 1e9:.0f} GFLOP/s "
+                f"({self.sgemm_size}^3 through MLX), copy {self.bandwidth / 1e9:.1f} GB/s "
+                f"({self.copy_bytes >> 20} MB, read + write, {self.threads} threads)")  # fmt: skip
+
+
+def _fastest(function, repeats: int) -> float:
+    function()  # warm up: first-touch page faults, BLAS's buffers
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        function()
+        times.append(time.perf_counter() - start)
+    return min(times)  # the least disturbed run: a limit is a best case
+
+
+def measure_machine(sgemm_size: int = 2048, copy_megabytes: int = 256, repeats: int = 5) -> Machine:
+    """Measure :class:`Machine`'s two rates here (a second or two)."""
+    import mlx.core as mx
+
+    a = mx.random.normal((sgemm_size, sgemm_size))
+    b = mx.random.normal((sgemm_size, sgemm_size))
+    mx.eval(a, b)
+    matmul_seconds = _fastest(lambda: mx.eval(a @ b), repeats)
+    source = np.ones(copy_megabytes << 18, dtype=np.float32)  # copy_megabytes MB
+    target = np.empty_like(source)
+    threads = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    parts = np.array_split(np.arange(source.size), threads)
+    with ThreadPoolExecutor(threads) as pool:  # np.copyto releases the GIL: the parts copy at once
+
+        def copy_all():
+            spans = [(part[0], part[-1] + 1) for part in parts if part.size]
+            list(pool.map(lambda span: np.copyto(target[span[0]:span[1]], source[span[0]:span[1]]), spans))
+
+        copy_seconds = _fastest(copy_all, repeats)
+    return Machine(sgemm_flops=2 * sgemm_size**3 / matmul_seconds, bandwidth=2 * source.nbytes / copy_seconds,
+                   sgemm_size=sgemm_size, copy_bytes=source.nbytes, threads=threads)  # fmt: skip
