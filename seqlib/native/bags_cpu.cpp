@@ -32,7 +32,6 @@
 // Napkin math: the forward reads N D 4 bytes of rows at random and writes B D 4; the backward
 // zeroes V D 4 bytes, then reads B D 4 and adds N D 4 at random.
 
-#include <sched.h>
 
 #include <algorithm>
 #include <atomic>
@@ -89,20 +88,6 @@ void check_layout(const mx::array& indices, const mx::array* bounds, int64_t row
   }
 }
 
-// Threads to use: the CPUs this process may run on, at most OMP_NUM_THREADS where that is set.
-int thread_budget() {
-  static const int budget = [] {
-    cpu_set_t set;
-    int cpus = sched_getaffinity(0, sizeof(set), &set) == 0 ? CPU_COUNT(&set) : 1;
-    if (const char* limit = std::getenv("OMP_NUM_THREADS")) {
-      const int wanted = std::atoi(limit);
-      if (wanted > 0) cpus = std::min(cpus, wanted);
-    }
-    return std::max(cpus, 1);
-  }();
-  return budget;
-}
-
 // Run body(begin, end) over [0, count) in chunks that threads take in turn from a shared
 // counter, so a thread slowed by another process (a busy core) takes fewer of them; `work`
 // (about the floats touched) decides whether more threads than one are worth starting.  Each
@@ -110,7 +95,7 @@ int thread_budget() {
 template <class Body>
 void parallel_for(int64_t count, int64_t work, Body body) {
   constexpr int64_t kWorkPerThread = 1 << 16;
-  const int64_t threads = std::min<int64_t>({thread_budget(), count, std::max<int64_t>(work / kWorkPerThread, 1)});
+  const int64_t threads = std::min<int64_t>({seqlib_cpu::thread_budget(), count, std::max<int64_t>(work / kWorkPerThread, 1)});
   if (threads <= 1) {
     body(int64_t{0}, count);
     return;
@@ -311,7 +296,7 @@ void pool_backward(std::vector<mx::array>& ins, std::vector<mx::array>& outs, co
   // in entry order, so no two threads write the same float and the sums never depend on them.
   auto scatter = bag.mode == kMax ? scatter_row_range<kMax>
                                   : (bag.mode == kMean ? scatter_row_range<kMean> : scatter_row_range<kSum>);
-  const int64_t ranges = std::min<int64_t>(4 * thread_budget(), rows);
+  const int64_t ranges = std::min<int64_t>(4 * seqlib_cpu::thread_budget(), rows);
   parallel_for(ranges, entries * dim, [&](int64_t first_range, int64_t end_range) {
     scatter(dim, indices, bounds, bags, entry_weights, bag.padding_idx, winners.data(), cotangent, d_table,
             rows * first_range / ranges, rows * end_range / ranges);

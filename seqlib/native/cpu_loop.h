@@ -10,9 +10,12 @@
 // gradients of a vmap raise a ValueError that says so.
 #pragma once
 
+#include <sched.h>
 #include <sys/mman.h>
 
+#include <algorithm>
 #include <cstdint>
+#include <cstdlib>
 #include <stdexcept>
 #include <string>
 #include <vector>
@@ -153,6 +156,20 @@ class CpuLoop : public mx::Primitive {
 };
 
 inline mx::Stream cpu_stream() { return mx::default_stream(mx::Device(mx::Device::cpu)); }
+
+// Threads a loop may use: the CPUs this process may run on, at most OMP_NUM_THREADS where that is set.
+inline int thread_budget() {
+  static const int budget = [] {
+    cpu_set_t set;
+    int cpus = sched_getaffinity(0, sizeof(set), &set) == 0 ? CPU_COUNT(&set) : 1;
+    if (const char* limit = std::getenv("OMP_NUM_THREADS")) {
+      const int wanted = std::atoi(limit);
+      if (wanted > 0) cpus = std::min(cpus, wanted);
+    }
+    return std::max(cpus, 1);
+  }();
+  return budget;
+}
 
 // The outputs (given shapes and dtypes) of one CpuLoop call on row-contiguous copies of its inputs.
 template <class Params>
