@@ -102,30 +102,31 @@ inline void copy_rows(float* dst, const float* src, int rows, int width) {
   std::memcpy(dst, src, sizeof(float) * rows * width);
 }
 
-// ----------------------------------------------------------------- LSTM, packed (AVX-512)
+// ----------------------------------------------------------------- LSTM and GRU, packed (AVX-512)
 //
-// For a sequence of many steps the recurrent product of each step, h (rows, H) @ w_hh^T (H, 4H), is
+// For a sequence of many steps the recurrent product of each step, h (rows, H) @ w_hh^T (H, G H), is
 // small: OpenBLAS repacks all of w_hh on every call and, for a product this size, spends more time
 // around it than in it.  Here w_hh is packed once per sequence into blocks of 8 hidden units: block
-// b holds, for every k, the 32 weights of units 8b..8b+7 of the four gates (i, f, g, o), so one
-// register tile of (up to 8 rows) x 32 accumulates all four gates of 8 units, and the gate math
-// runs on the tile straight from the registers (the "epilogue"): the gates never go through
-// memory.  Per k the tile loads two vectors of weights and broadcasts one h per row: 16 FMAs per
-// 2 + 8 loads.  Used where the build has AVX-512 and runs_packed says so; otherwise the OpenBLAS
-// loop below runs.  Same math, other summation
-// order: the results agree with the OpenBLAS loop to float32 rounding.
+// b holds, for every k, the weights of units 8b..8b+7 of every gate (LSTM: i, f, g, o, 32 columns;
+// GRU: r, z, n and 8 zero columns, a quarter of its FMAs wasted for the same tile), so one register
+// tile of (up to 8 rows) x 32 accumulates all gates of 8 units, and the gate math runs on the tile
+// (the "epilogue"): the gates' products never go through memory.  Per k the tile loads two vectors
+// of weights and broadcasts one h per row: 16 FMAs per 2 + 8 loads.  Used where the build has
+// AVX-512 and runs_packed says so; otherwise the OpenBLAS loops below run.  Same math, other
+// summation order: the results agree with the OpenBLAS loops to float32 rounding.
 #if defined(__AVX512F__)
 #include <immintrin.h>
 
 constexpr int kUnits = 8, kTile = 4 * kUnits, kRowsPerTile = 8;  // one block: 8 units x 4 gates = 32 columns
 constexpr int kPackedMinSteps = 4;
 
-// w_hh (4H, H) -> packed (blocks, H, 32): packed[b][k][g * 8 + u] = w_hh[g * H + 8b + u][k], zero past H.
-std::vector<float> pack_lstm_weights(const float* w_hh, int hidden) {
+// w_hh (G H, H), G = 4 (LSTM) or 3 (GRU) -> packed (blocks, H, 32): packed[b][k][g * 8 + u] =
+// w_hh[g * H + 8b + u][k] for the G gates; zero past H and in the GRU's unused fourth slot.
+std::vector<float> pack_gate_weights(const float* w_hh, int hidden, int gate_count) {
   const int blocks = (hidden + kUnits - 1) / kUnits;
   std::vector<float> packed(static_cast<size_t>(blocks) * hidden * kTile, 0.0f);
   for (int b = 0; b < blocks; ++b) {
-    for (int g = 0; g < 4; ++g) {
+    for (int g = 0; g < gate_count; ++g) {
       for (int u = 0; u < kUnits && b * kUnits + u < hidden; ++u) {
         const float* row = w_hh + static_cast<size_t>(g * hidden + b * kUnits + u) * hidden;
         float* column = packed.data() + static_cast<size_t>(b) * hidden * kTile + g * kUnits + u;
@@ -229,49 +230,116 @@ inline void lstm_gate_math(int units, int hidden, const float* x, const float* a
   }
 }
 
-// lstm_forward's loop on packed weights (same ins, outs and saved arrays), on one thread.  (A team
-// of threads, each owning some blocks and meeting twice per step, ran the loop alone twice as fast,
-// but inside a layer it lost to OpenBLAS's worker, which spins on the other core after the input
-// product: large steps stay on the OpenBLAS loop, which shares its threads with that worker.)
-void lstm_forward_packed(std::vector<mx::array>& ins, std::vector<mx::array>& outs, const Loop& loop) {
-  const bool save = loop.option & kSave;
-  const int batch = ins[2].shape(0), hidden = ins[2].shape(1);
+// The time loop on packed weights, on one thread: at each step, before(step) (what must be saved
+// of the state), then for every block of 8 units and every tile of up to 8 rows the tile's product
+// h[rows] @ block and gate_math(step, row, unit, units, tile row) on it, which writes the row's
+// new h for those units into h_next; then h takes h_next.  (A team of threads, each owning some
+// blocks and meeting twice per step, ran an LSTM's loop alone twice as fast, but inside a layer it
+// lost to OpenBLAS's worker, which spins on the other core after the input product: large steps
+// stay on the OpenBLAS loops, which share their threads with that worker.)
+template <class Before, class GateMath>
+void packed_steps(const Loop& loop, int hidden, const std::vector<float>& packed, float* h, float* h_next,
+                  Before before, GateMath gate_math) {
   const int blocks = (hidden + kUnits - 1) / kUnits;
-  const std::vector<float> packed = pack_lstm_weights(ins[1].data<float>(), hidden);
-  float* h = outs[1].data<float>();  // the state advances in h_n and c_n
-  float* c = outs[2].data<float>();
-  copy_rows(h, ins[2].data<float>(), batch, hidden);
-  copy_rows(c, ins[3].data<float>(), batch, hidden);
-  std::vector<float> h_next(static_cast<size_t>(batch) * hidden);  // every tile reads all of h: write apart
   alignas(64) float tile[kRowsPerTile * kTile];
   for (const Step& step : loop.steps) {
-    if (save) {
-      copy_rows(row_of(outs[6], step.first), h, step.rows, hidden);
-      copy_rows(row_of(outs[5], step.first), c, step.rows, hidden);
-    }
+    before(step);
     for (int b = 0; b < blocks; ++b) {
       const float* block = packed.data() + static_cast<size_t>(b) * hidden * kTile;
       const int unit = b * kUnits, units = std::min(kUnits, hidden - unit);
       for (int r0 = 0; r0 < step.rows; r0 += kRowsPerTile) {
         const int rows = std::min(kRowsPerTile, step.rows - r0);
         tile_product(rows, h + static_cast<size_t>(r0) * hidden, hidden, block, tile);
-        for (int r = r0; r < r0 + rows; ++r) {  // the gate math of 8 units, from the tile
-          const float* x = row_of(ins[0], step.first + r) + unit;  // x_gates: i at 0, f at H, ...
-          float* act = save ? row_of(outs[3], step.first + r) + unit : nullptr;
-          float* tanh_row = save ? row_of(outs[4], step.first + r) + unit : nullptr;
-          lstm_gate_math(units, hidden, x, tile + (r - r0) * kTile, c + static_cast<size_t>(r) * hidden + unit,
-                         h_next.data() + static_cast<size_t>(r) * hidden + unit,
-                         row_of(outs[0], step.first + r) + unit, act, tanh_row);
-        }
+        for (int r = r0; r < r0 + rows; ++r) gate_math(step, r, unit, units, tile + (r - r0) * kTile);
       }
     }
-    copy_rows(h, h_next.data(), step.rows, hidden);
+    copy_rows(h, h_next, step.rows, hidden);
   }
 }
 
-// Whether lstm_forward runs on packed weights: AVX-512, enough steps to repay the packing, and a step's
-// product small enough that OpenBLAS's threads do not win it (measured on a 2-core Zen 4: B = 64, H = 128
-// packed 33 ms against 44; B = 32, H = 512 level; H = 650 OpenBLAS ahead).
+// lstm_forward's loop on packed weights (same ins, outs and saved arrays).
+void lstm_forward_packed(std::vector<mx::array>& ins, std::vector<mx::array>& outs, const Loop& loop) {
+  const bool save = loop.option & kSave;
+  const int batch = ins[2].shape(0), hidden = ins[2].shape(1);
+  float* h = outs[1].data<float>();  // the state advances in h_n and c_n
+  float* c = outs[2].data<float>();
+  copy_rows(h, ins[2].data<float>(), batch, hidden);
+  copy_rows(c, ins[3].data<float>(), batch, hidden);
+  std::vector<float> h_next(static_cast<size_t>(batch) * hidden);  // every tile reads all of h: write apart
+  auto before = [&](const Step& step) {
+    if (!save) return;
+    copy_rows(row_of(outs[6], step.first), h, step.rows, hidden);
+    copy_rows(row_of(outs[5], step.first), c, step.rows, hidden);
+  };
+  auto gate_math = [&](const Step& step, int r, int unit, int units, const float* acc) {
+    const float* x = row_of(ins[0], step.first + r) + unit;  // x_gates: i at 0, f at H, ...
+    lstm_gate_math(units, hidden, x, acc, c + static_cast<size_t>(r) * hidden + unit,
+                   h_next.data() + static_cast<size_t>(r) * hidden + unit, row_of(outs[0], step.first + r) + unit,
+                   save ? row_of(outs[3], step.first + r) + unit : nullptr,
+                   save ? row_of(outs[4], step.first + r) + unit : nullptr);
+  };
+  packed_steps(loop, hidden, pack_gate_weights(ins[1].data<float>(), hidden, 4), h, h_next.data(), before, gate_math);
+}
+
+// The GRU's gate math for `units` (<= 8) units of one row: acc holds their products with w_hh (r, z,
+// n: 8 each), b_hh and x (r at 0, z at H, n at 2H) their biases and input sides; h_prev is the state
+// before the step.  h and out get the new h; where asked act (r, z, n) and hidden_side (acc + b_hh).
+inline void gru_gate_math(int units, int hidden, const float* x, const float* b_hh, const float* acc,
+                          const float* h_prev, float* h, float* out, float* act, float* hidden_side) {
+  if (units == kUnits) {
+    const auto side = [&](int gate) {
+      return _mm256_add_ps(_mm256_loadu_ps(acc + gate * kUnits), _mm256_loadu_ps(b_hh + gate * hidden));
+    };
+    const __m256 hs_r = side(0), hs_z = side(1), hs_n = side(2);
+    const __m256 reset = fast_sigmoid8(_mm256_add_ps(_mm256_loadu_ps(x), hs_r));
+    const __m256 update = fast_sigmoid8(_mm256_add_ps(_mm256_loadu_ps(x + hidden), hs_z));
+    const __m256 n = fast_tanh8(_mm256_add_ps(_mm256_loadu_ps(x + 2 * hidden), _mm256_mul_ps(reset, hs_n)));
+    const __m256 h_new = _mm256_add_ps(n, _mm256_mul_ps(update, _mm256_sub_ps(_mm256_loadu_ps(h_prev), n)));
+    _mm256_storeu_ps(h, h_new);
+    _mm256_storeu_ps(out, h_new);
+    if (act != nullptr) {
+      _mm256_storeu_ps(act, reset), _mm256_storeu_ps(act + hidden, update), _mm256_storeu_ps(act + 2 * hidden, n);
+      _mm256_storeu_ps(hidden_side, hs_r), _mm256_storeu_ps(hidden_side + hidden, hs_z);
+      _mm256_storeu_ps(hidden_side + 2 * hidden, hs_n);
+    }
+    return;
+  }
+  for (int u = 0; u < units; ++u) {  // the last block of an H that is not a multiple of 8
+    const float hs_r = acc[u] + b_hh[u], hs_z = acc[kUnits + u] + b_hh[hidden + u];
+    const float hs_n = acc[2 * kUnits + u] + b_hh[2 * hidden + u];
+    const float reset = fast_sigmoid(x[u] + hs_r), update = fast_sigmoid(x[hidden + u] + hs_z);
+    const float n = fast_tanh(x[2 * hidden + u] + reset * hs_n);
+    h[u] = out[u] = n + update * (h_prev[u] - n);
+    if (act != nullptr) {
+      act[u] = reset, act[hidden + u] = update, act[2 * hidden + u] = n;
+      hidden_side[u] = hs_r, hidden_side[hidden + u] = hs_z, hidden_side[2 * hidden + u] = hs_n;
+    }
+  }
+}
+
+// gru_forward's loop on packed weights (same ins, outs and saved arrays).
+void gru_forward_packed(std::vector<mx::array>& ins, std::vector<mx::array>& outs, const Loop& loop) {
+  const bool save = loop.option & kSave;
+  const int batch = ins[3].shape(0), hidden = ins[3].shape(1);
+  const float* b_hh = ins[2].data<float>();
+  float* h = outs[1].data<float>();
+  copy_rows(h, ins[3].data<float>(), batch, hidden);
+  std::vector<float> h_next(static_cast<size_t>(batch) * hidden);
+  auto before = [&](const Step& step) {
+    if (save) copy_rows(row_of(outs[4], step.first), h, step.rows, hidden);
+  };
+  auto gate_math = [&](const Step& step, int r, int unit, int units, const float* acc) {
+    const size_t row = static_cast<size_t>(step.first) + r;
+    gru_gate_math(units, hidden, row_of(ins[0], row) + unit, b_hh + unit, acc, h + static_cast<size_t>(r) * hidden + unit,
+                  h_next.data() + static_cast<size_t>(r) * hidden + unit, row_of(outs[0], row) + unit,
+                  save ? row_of(outs[2], row) + unit : nullptr, save ? row_of(outs[3], row) + unit : nullptr);
+  };
+  packed_steps(loop, hidden, pack_gate_weights(ins[1].data<float>(), hidden, 3), h, h_next.data(), before, gate_math);
+}
+
+// Whether a forward runs on packed weights: AVX-512, enough steps to repay the packing, and a step's
+// product small enough that OpenBLAS's threads do not win it (measured on a 2-core Zen 4, LSTM: B = 64,
+// H = 128 packed 33 ms against 44; B = 32, H = 512 level; H = 650 OpenBLAS ahead).
 constexpr int64_t kPackedMaxMultiplyAdds = 1 << 24;
 bool runs_packed(const Loop& loop, int batch, int hidden) {
   return static_cast<int>(loop.steps.size()) >= kPackedMinSteps &&
@@ -366,6 +434,9 @@ void lstm_backward(std::vector<mx::array>& ins, std::vector<mx::array>& outs, co
 // ins: x_gates (N, 3H) = x W_ih^T + b_ih, w_hh (3H, H), b_hh (3H,), h0 (B, H)
 // outs: output (N, H), h_n (B, H) [, activations r, z, n (N, 3H), hidden_side (N, 3H), h_prev (N, H)]
 void gru_forward(std::vector<mx::array>& ins, std::vector<mx::array>& outs, const Loop& loop) {
+#if defined(__AVX512F__)
+  if (runs_packed(loop, ins[3].shape(0), ins[3].shape(1))) return gru_forward_packed(ins, outs, loop);
+#endif
   const auto& steps = loop.steps;
   const int option = loop.option;
   const bool save = option & kSave;
