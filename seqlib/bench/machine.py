@@ -42,6 +42,7 @@ class Machine:
         return max(flops / self.sgemm_flops, bytes_moved / self.bandwidth)
 
     def describe(self) -> str:
+        """One line for a benchmark's header: both rates and how they were measured."""
         return (f"this machine's limits: float32 matmul {self.sgemm_flops / 1e9:.0f} GFLOP/s "
                 f"({self.sgemm_size}^3 through MLX), copy {self.bandwidth / 1e9:.1f} GB/s "
                 f"({self.copy_bytes >> 20} MB, read + write, {self.threads} threads)")  # fmt: skip
