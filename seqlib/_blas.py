@@ -36,6 +36,7 @@ import struct
 import subprocess
 import sys
 import warnings
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -77,6 +78,29 @@ def _build_shim(openblas_dir: str) -> Path:
     return _build.build_once(target, lambda partial: _build.shim_command(openblas_dir, partial))
 
 
+#: How long OpenBLAS's idle workers spin after a threaded call before they sleep, as a power of two of
+#: cycles (OpenBLAS's own default is 2**28, about a tenth of a second).  seqlib.native's time loops start
+#: right after MLX's input product and share their steps among threads of their own: a worker spinning
+#: that long holds the core they need (on 2 cores an LSTM layer's loop ran 1.5-2x slower).  2**20 cycles
+#: (a few hundred microseconds) still carries the workers across the back-to-back calls of a loop.
+OPENBLAS_WORKER_SPIN = 20
+
+
+@contextmanager
+def _short_worker_spin():
+    """OPENBLAS_THREAD_TIMEOUT set to :data:`OPENBLAS_WORKER_SPIN` while the OpenBLAS library loads (it reads
+    the variable once, then), unless the user set it; the environment is as it was afterwards.  Where the
+    library was loaded before (``import scipy_openblas32`` elsewhere) it keeps the spin it was loaded with."""
+    if "OPENBLAS_THREAD_TIMEOUT" in os.environ:
+        yield
+        return
+    os.environ["OPENBLAS_THREAD_TIMEOUT"] = str(OPENBLAS_WORKER_SPIN)
+    try:
+        yield
+    finally:
+        del os.environ["OPENBLAS_THREAD_TIMEOUT"]
+
+
 def load_shim() -> ctypes.CDLL:
     """The shim, built if need be and loaded with ``RTLD_GLOBAL`` (so that a library loaded after it, such as
     seqlib's C++ primitives, binds ``cblas_sgemm`` to it), without touching MLX.  Raises ImportError,
@@ -84,9 +108,10 @@ def load_shim() -> ctypes.CDLL:
     cannot be built or loaded."""
     global _shim
     if _shim is None:
-        openblas_dir = _openblas_dir()
-        # Loaded first, by path: a shim built at install found it through a build folder that is gone.
-        ctypes.CDLL(os.path.join(openblas_dir, "libscipy_openblas.so"), mode=ctypes.RTLD_GLOBAL)
+        with _short_worker_spin():  # importing scipy_openblas32 loads its library
+            openblas_dir = _openblas_dir()
+            # Loaded first, by path: a shim built at install found it through a build folder that is gone.
+            ctypes.CDLL(os.path.join(openblas_dir, "libscipy_openblas.so"), mode=ctypes.RTLD_GLOBAL)
         _shim = ctypes.CDLL(str(_build_shim(openblas_dir)), mode=ctypes.RTLD_GLOBAL)
     return _shim
 

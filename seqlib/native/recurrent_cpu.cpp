@@ -3,10 +3,15 @@
 //
 // The CPU counterpart of metal_kernels/lstm_sequence.metal and gru_sequence.metal.  MLX's own ops run a step as a
 // matmul plus about ten elementwise kernels, each one pass over memory with scalar code
-// on x86; here the whole time loop runs inside one primitive: per step one BLAS call
-// (OpenBLAS through seqlib's BLAS shim, the recurrent matmul) and one loop of gate math that the compiler vectorises
-// for the host's vector units (-march=native).  seqlib.native builds this file against the
-// installed MLX on first use (module.cpp binds it); seqlib.scan calls it, and wires the backward into autodiff.
+// on x86; here the whole time loop runs inside one primitive.  Two forms of it:
+//   packed (x86 with AVX2 and FMA, sequences of 4 or more steps): w_hh packed once per call into the
+//     layout of a register-tiled product, each step's product and gate math fused, the units shared
+//     among a team of threads that meet once per step (see "packed" below);
+//   OpenBLAS: per step one BLAS call (OpenBLAS through seqlib's BLAS shim, the recurrent matmul) and
+//     one loop of gate math that the compiler vectorises for the host's vector units (-march=native):
+//     short sequences, the Elman RNN, other CPUs.
+// seqlib.native builds this file against the installed MLX on first use (module.cpp binds it);
+// seqlib.scan calls it, and wires the backward into autodiff.
 //
 //   LSTMSequence, GRUSequence, RNNSequence   forward: output, final state(s), and (save) what
 //                                            the backward needs
@@ -26,12 +31,16 @@
 // Napkin math per step: 2 B 4H H FLOPs in the matmul, about 40 B H in the gate math; bytes:
 // w_hh (16 H^2) read once per step, the gates (16 B H) written and read once.
 
+#include <sched.h>
+
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstring>
 #include <optional>
 #include <stdexcept>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include <nanobind/nanobind.h>
@@ -102,29 +111,108 @@ inline void copy_rows(float* dst, const float* src, int rows, int width) {
   std::memcpy(dst, src, sizeof(float) * rows * width);
 }
 
-// ----------------------------------------------------------------- LSTM and GRU, packed (AVX-512)
+// The LSTM's backward through one step's gate math, for units [first, end) of its rows: d_gates (the
+// step's rows of outs[0]) from d_h (the gradient reaching h, rows of d_h0's buffer) and d_c, which moves
+// back a step in place.  ins and outs as lstm_backward's.
+void lstm_gate_backward(const std::vector<mx::array>& ins, std::vector<mx::array>& outs, const Step& step,
+                        const float* d_h, float* d_c, int first, int end) {
+  const int hidden = ins[5].shape(1);
+  for (int r = 0; r < step.rows; ++r) {
+    const int row = step.first + r;
+    const float *a = row_of(ins[1], row), *tanh_cs = row_of(ins[2], row), *c_prev = row_of(ins[3], row);
+    const float* d_output = row_of(ins[4], row);
+    float* d_a = row_of(outs[0], row);
+    const float* d_h_row = d_h + static_cast<size_t>(r) * hidden;
+    float* d_c_row = d_c + static_cast<size_t>(r) * hidden;
+    for (int j = first; j < end; ++j) {
+      const float i = a[j], f = a[hidden + j], g = a[2 * hidden + j], o = a[3 * hidden + j];
+      const float tanh_c = tanh_cs[j];
+      const float d_out = d_output[j] + d_h_row[j];
+      const float dc = d_c_row[j] + d_out * o * (1 - tanh_c * tanh_c);
+      d_a[j] = dc * g * i * (1 - i);
+      d_a[hidden + j] = dc * c_prev[j] * f * (1 - f);
+      d_a[2 * hidden + j] = dc * i * (1 - g * g);
+      d_a[3 * hidden + j] = d_out * tanh_c * o * (1 - o);
+      d_c_row[j] = dc * f;
+    }
+  }
+}
+
+// The GRU's backward through one step's gate math, for units [first, end) of its rows: the gradients of
+// its input and hidden sides (outs[0], outs[1]) from d_h, which takes the direct path's part (the
+// recurrent product's is added after).  ins and outs as gru_backward's.
+void gru_gate_backward(const std::vector<mx::array>& ins, std::vector<mx::array>& outs, const Step& step,
+                       float* d_h, int first, int end) {
+  const int hidden = ins[5].shape(1);
+  for (int r = 0; r < step.rows; ++r) {
+    const int row = step.first + r;
+    const float *a = row_of(ins[1], row), *hs = row_of(ins[2], row), *h_prev = row_of(ins[3], row);
+    const float* d_output = row_of(ins[4], row);
+    float* d_input = row_of(outs[0], row);
+    float* d_hidden = row_of(outs[1], row);
+    float* d_h_row = d_h + static_cast<size_t>(r) * hidden;
+    for (int j = first; j < end; ++j) {
+      const float reset = a[j], update = a[hidden + j], n = a[2 * hidden + j];
+      const float d_out = d_output[j] + d_h_row[j];
+      const float d_n = d_out * (1 - update) * (1 - n * n);
+      const float d_z = d_out * (h_prev[j] - n) * update * (1 - update);
+      const float d_r = d_n * hs[2 * hidden + j] * reset * (1 - reset);
+      d_input[j] = d_hidden[j] = d_r;
+      d_input[hidden + j] = d_hidden[hidden + j] = d_z;
+      d_input[2 * hidden + j] = d_n;
+      d_hidden[2 * hidden + j] = d_n * reset;
+      d_h_row[j] = d_out * update;  // the direct path
+    }
+  }
+}
+
+// ----------------------------------------------------------------- LSTM and GRU, packed (AVX2 and AVX-512)
 //
 // For a sequence of many steps the recurrent product of each step, h (rows, H) @ w_hh^T (H, G H), is
 // small: OpenBLAS repacks all of w_hh on every call and, for a product this size, spends more time
 // around it than in it.  Here w_hh is packed once per sequence into blocks of 8 hidden units: block
 // b holds, for every k, the weights of units 8b..8b+7 of every gate (LSTM: i, f, g, o, 32 columns;
 // GRU: r, z, n and 8 zero columns, a quarter of its FMAs wasted for the same tile), so one register
-// tile of (up to 8 rows) x 32 accumulates all gates of 8 units, and the gate math runs on the tile
-// (the "epilogue"): the gates' products never go through memory.  Per k the tile loads two vectors
-// of weights and broadcasts one h per row: 16 FMAs per 2 + 8 loads.  Used where the build has
-// AVX-512 and runs_packed says so; otherwise the OpenBLAS loops below run.  Same math, other
-// summation order: the results agree with the OpenBLAS loops to float32 rounding.
-#if defined(__AVX512F__)
+// tile of (up to kRowsPerTile rows) x 32 accumulates all gates of 8 units, and the gate math runs on
+// the tile (the "epilogue"): the gates' products never go through memory.  Per k and row the tile
+// broadcasts one h and multiplies it into the 32 columns: with AVX-512 two vectors of 16 and 8 rows
+// (16 accumulators of the 32 registers), with AVX2 two halves of 16 columns and 6 rows (below).  Used where the build has AVX2 and FMA and runs_packed says so;
+// otherwise the OpenBLAS loops below run.  Same math, other summation order: the results agree with
+// the OpenBLAS loops to float32 rounding.
+//
+// The backward's product, d_gates (rows, G H) @ w_hh (G H, H), runs on the same tiles: w_hh packed
+// once per backward into blocks of 32 columns of H (pack_columns), K = G H.
+#if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
 
-constexpr int kUnits = 8, kTile = 4 * kUnits, kRowsPerTile = 8;  // one block: 8 units x 4 gates = 32 columns
+constexpr int kUnits = 8, kTile = 4 * kUnits;  // one block: 8 units x 4 gates = 32 columns
+#if defined(__AVX512F__)
+constexpr int kRowsPerTile = 8;
+#else
+constexpr int kRowsPerTile = 6;
+#endif
 constexpr int kPackedMinSteps = 4;
+
+// Packed weights on a 64-byte boundary: a tile's vector loads then never straddle two cache lines.
+class PackedWeights {
+ public:
+  explicit PackedWeights(size_t count) : storage_(count + 16, 0.0f) {
+    const auto address = reinterpret_cast<uintptr_t>(storage_.data());
+    data_ = storage_.data() + ((64 - address % 64) % 64) / sizeof(float);
+  }
+  float* data() { return data_; }
+  const float* data() const { return data_; }
+
+ private:
+  std::vector<float> storage_;
+  float* data_;
+};
 
 // w_hh (G H, H), G = 4 (LSTM) or 3 (GRU) -> packed (blocks, H, 32): packed[b][k][g * 8 + u] =
 // w_hh[g * H + 8b + u][k] for the G gates; zero past H and in the GRU's unused fourth slot.
-std::vector<float> pack_gate_weights(const float* w_hh, int hidden, int gate_count) {
+PackedWeights pack_gate_weights(const float* w_hh, int hidden, int gate_count) {
   const int blocks = (hidden + kUnits - 1) / kUnits;
-  std::vector<float> packed(static_cast<size_t>(blocks) * hidden * kTile, 0.0f);
+  PackedWeights packed(static_cast<size_t>(blocks) * hidden * kTile);
   for (int b = 0; b < blocks; ++b) {
     for (int g = 0; g < gate_count; ++g) {
       for (int u = 0; u < kUnits && b * kUnits + u < hidden; ++u) {
@@ -137,16 +225,32 @@ std::vector<float> pack_gate_weights(const float* w_hh, int hidden, int gate_cou
   return packed;
 }
 
-// tile (ROWS, 32) = h[first row .. + ROWS) (rows of length H) @ the block's packed weights (H, 32).
+// w (K, N) row-major -> packed (blocks, K, 32): packed[b][k][j] = w[k][32 b + j], zero past N.  The
+// backward's right-hand side: d_h = d_gates @ w_hh with K = G H, N = H.
+PackedWeights pack_columns(const float* w, int depth, int width) {
+  const int blocks = (width + kTile - 1) / kTile;
+  PackedWeights packed(static_cast<size_t>(blocks) * depth * kTile);
+  for (int b = 0; b < blocks; ++b) {
+    const int columns = std::min(kTile, width - b * kTile);
+    for (int k = 0; k < depth; ++k) {
+      std::memcpy(packed.data() + (static_cast<size_t>(b) * depth + k) * kTile,
+                  w + static_cast<size_t>(k) * width + b * kTile, sizeof(float) * columns);
+    }
+  }
+  return packed;
+}
+
+// tile (ROWS, 32) = a[ROWS rows of stride lda, depth columns] @ block (depth, 32).
+#if defined(__AVX512F__)
 template <int ROWS>
-inline void tile_product(const float* h, int hidden, const float* block, float* tile) {
+inline void tile_product(const float* a, int lda, int depth, const float* block, float* tile) {
   __m512 low[ROWS], high[ROWS];
   for (int r = 0; r < ROWS; ++r) low[r] = high[r] = _mm512_setzero_ps();
-  for (int k = 0; k < hidden; ++k) {
+  for (int k = 0; k < depth; ++k) {
     const __m512 w_low = _mm512_loadu_ps(block + static_cast<size_t>(k) * kTile);
     const __m512 w_high = _mm512_loadu_ps(block + static_cast<size_t>(k) * kTile + 16);
     for (int r = 0; r < ROWS; ++r) {
-      const __m512 x = _mm512_set1_ps(h[static_cast<size_t>(r) * hidden + k]);
+      const __m512 x = _mm512_set1_ps(a[static_cast<size_t>(r) * lda + k]);
       low[r] = _mm512_fmadd_ps(x, w_low, low[r]);
       high[r] = _mm512_fmadd_ps(x, w_high, high[r]);
     }
@@ -156,17 +260,64 @@ inline void tile_product(const float* h, int hidden, const float* block, float* 
     _mm512_storeu_ps(tile + r * kTile + 16, high[r]);
   }
 }
+#else
+// AVX2 (16 registers): the tile as two halves of 16 columns, each 2 vectors of weights loaded once per k and
+// ROWS <= 6 broadcasts into 12 accumulators: 12 FMAs per 8 loads (all 32 columns at once, 3 rows, took 15
+// loads per 12 FMAs and ran at half the rate).  One row has too few accumulators for the FMAs' latency:
+// it takes all 32 columns and two k at a time into 8.
+template <int ROWS>
+inline void tile_product(const float* a, int lda, int depth, const float* block, float* tile) {
+  for (int half = 0; half < 2; ++half) {
+    __m256 acc[ROWS][2];
+    for (int r = 0; r < ROWS; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
+    const float* w = block + 16 * half;
+    for (int k = 0; k < depth; ++k, w += kTile) {
+      const __m256 w0 = _mm256_loadu_ps(w), w1 = _mm256_loadu_ps(w + 8);
+      for (int r = 0; r < ROWS; ++r) {
+        const __m256 x = _mm256_broadcast_ss(a + static_cast<size_t>(r) * lda + k);
+        acc[r][0] = _mm256_fmadd_ps(x, w0, acc[r][0]);
+        acc[r][1] = _mm256_fmadd_ps(x, w1, acc[r][1]);
+      }
+    }
+    for (int r = 0; r < ROWS; ++r) {
+      _mm256_storeu_ps(tile + r * kTile + 16 * half, acc[r][0]);
+      _mm256_storeu_ps(tile + r * kTile + 16 * half + 8, acc[r][1]);
+    }
+  }
+}
 
-inline void tile_product(int rows, const float* h, int hidden, const float* block, float* tile) {
+template <>
+inline void tile_product<1>(const float* a, int, int depth, const float* block, float* tile) {
+  __m256 even[4], odd[4];
+  for (int v = 0; v < 4; ++v) even[v] = odd[v] = _mm256_setzero_ps();
+  int k = 0;
+  for (; k + 2 <= depth; k += 2) {
+    const float* w = block + static_cast<size_t>(k) * kTile;
+    const __m256 x0 = _mm256_broadcast_ss(a + k), x1 = _mm256_broadcast_ss(a + k + 1);
+    for (int v = 0; v < 4; ++v) even[v] = _mm256_fmadd_ps(x0, _mm256_loadu_ps(w + 8 * v), even[v]);
+    for (int v = 0; v < 4; ++v) odd[v] = _mm256_fmadd_ps(x1, _mm256_loadu_ps(w + kTile + 8 * v), odd[v]);
+  }
+  if (k < depth) {
+    const float* w = block + static_cast<size_t>(k) * kTile;
+    const __m256 x = _mm256_broadcast_ss(a + k);
+    for (int v = 0; v < 4; ++v) even[v] = _mm256_fmadd_ps(x, _mm256_loadu_ps(w + 8 * v), even[v]);
+  }
+  for (int v = 0; v < 4; ++v) _mm256_storeu_ps(tile + 8 * v, _mm256_add_ps(even[v], odd[v]));
+}
+#endif
+
+inline void tile_product(int rows, const float* a, int lda, int depth, const float* block, float* tile) {
   switch (rows) {
-    case 8: return tile_product<8>(h, hidden, block, tile);
-    case 7: return tile_product<7>(h, hidden, block, tile);
-    case 6: return tile_product<6>(h, hidden, block, tile);
-    case 5: return tile_product<5>(h, hidden, block, tile);
-    case 4: return tile_product<4>(h, hidden, block, tile);
-    case 3: return tile_product<3>(h, hidden, block, tile);
-    case 2: return tile_product<2>(h, hidden, block, tile);
-    default: return tile_product<1>(h, hidden, block, tile);
+#if defined(__AVX512F__)
+    case 8: return tile_product<8>(a, lda, depth, block, tile);
+    case 7: return tile_product<7>(a, lda, depth, block, tile);
+#endif
+    case 6: return tile_product<6>(a, lda, depth, block, tile);
+    case 5: return tile_product<5>(a, lda, depth, block, tile);
+    case 4: return tile_product<4>(a, lda, depth, block, tile);
+    case 3: return tile_product<3>(a, lda, depth, block, tile);
+    case 2: return tile_product<2>(a, lda, depth, block, tile);
+    default: return tile_product<1>(a, lda, depth, block, tile);
   }
 }
 
@@ -230,30 +381,104 @@ inline void lstm_gate_math(int units, int hidden, const float* x, const float* a
   }
 }
 
-// The time loop on packed weights, on one thread: at each step, before(step) (what must be saved
-// of the state), then for every block of 8 units and every tile of up to 8 rows the tile's product
-// h[rows] @ block and gate_math(step, row, unit, units, tile row) on it, which writes the row's
-// new h for those units into h_next; then h takes h_next.  (A team of threads, each owning some
-// blocks and meeting twice per step, ran an LSTM's loop alone twice as fast, but inside a layer it
-// lost to OpenBLAS's worker, which spins on the other core after the input product: large steps
-// stay on the OpenBLAS loops, which share their threads with that worker.)
-template <class Before, class GateMath>
-void packed_steps(const Loop& loop, int hidden, const std::vector<float>& packed, float* h, float* h_next,
-                  Before before, GateMath gate_math) {
-  const int blocks = (hidden + kUnits - 1) / kUnits;
-  alignas(64) float tile[kRowsPerTile * kTile];
-  for (const Step& step : loop.steps) {
-    before(step);
-    for (int b = 0; b < blocks; ++b) {
-      const float* block = packed.data() + static_cast<size_t>(b) * hidden * kTile;
-      const int unit = b * kUnits, units = std::min(kUnits, hidden - unit);
-      for (int r0 = 0; r0 < step.rows; r0 += kRowsPerTile) {
-        const int rows = std::min(kRowsPerTile, step.rows - r0);
-        tile_product(rows, h + static_cast<size_t>(r0) * hidden, hidden, block, tile);
-        for (int r = r0; r < r0 + rows; ++r) gate_math(step, r, unit, units, tile + (r - r0) * kTile);
+// A barrier for a team of threads that meet once per time step: the last to arrive opens the next
+// generation; the others spin briefly (a step is tens of microseconds), then yield the core, so a
+// team never starves a thread it shares a core with.
+class StepBarrier {
+ public:
+  explicit StepBarrier(int count) : count_(count) {}
+  void wait() {
+    if (count_ == 1) return;
+    const int generation = generation_.load(std::memory_order_acquire);
+    if (arrived_.fetch_add(1, std::memory_order_acq_rel) + 1 == count_) {
+      arrived_.store(0, std::memory_order_relaxed);
+      generation_.fetch_add(1, std::memory_order_release);
+      return;
+    }
+    for (int spins = 0; generation_.load(std::memory_order_acquire) == generation; ++spins) {
+      if (spins < (1 << 14)) {
+        _mm_pause();
+      } else {
+        sched_yield();
       }
     }
-    copy_rows(h, h_next, step.rows, hidden);
+  }
+
+ private:
+  const int count_;
+  std::atomic<int> arrived_{0};
+  std::atomic<int> generation_{0};
+};
+
+// body(thread, threads, barrier) on `threads` threads (this one and threads - 1 new ones), all sharing one barrier.
+template <class Body>
+void run_team(int threads, Body body) {
+  StepBarrier barrier(threads);
+  std::vector<std::thread> pool;
+  for (int t = 1; t < threads; ++t) pool.emplace_back([&, t] { body(t, threads, barrier); });
+  body(0, threads, barrier);
+  for (auto& thread : pool) thread.join();
+}
+
+// How many threads a packed loop shares its blocks among: one where a step's product is too small to repay
+// a meeting per step (measured: B = 1 or H = 64), else as many as the process may use and there are blocks.
+constexpr int64_t kTeamMinMultiplyAdds = 1 << 20;
+int team_size(int batch, int hidden, int blocks) {
+  if (int64_t{batch} * 4 * hidden * hidden < kTeamMinMultiplyAdds) return 1;
+  return std::max(1, std::min(seqlib_cpu::thread_budget(), blocks / 2));
+}
+
+// h_n (B, H): each sequence's output row at its last step (sequences stop at different steps).
+void final_states(const Loop& loop, const mx::array& output, float* h_n) {
+  int batch = 0;  // the first step's rows, the last's in the reverse direction
+  for (const Step& step : loop.steps) batch = std::max(batch, step.rows);
+  std::vector<int> last_row(batch);
+  for (const Step& step : loop.steps) {
+    for (int r = 0; r < step.rows; ++r) last_row[r] = step.first + r;
+  }
+  const int hidden = output.shape(1);
+  for (size_t r = 0; r < last_row.size(); ++r) copy_rows(h_n + r * hidden, row_of(output, last_row[r]), 1, hidden);
+}
+
+// The time loop on packed weights, its blocks of 8 units shared among a team of threads (team_size):
+// at each step each thread calls before(step, first unit, end unit) (what must be saved of the state,
+// its units only), then for each of its blocks and every tile of up to kRowsPerTile rows the tile's
+// product h[rows] @ block and gate_math(step, row, unit, units, tile row, h, h_next) on it, which
+// writes the row's new h for those units into h_next; then the team meets, and h and h_next swap.
+// Every tile reads all of h, so the new h goes to the other buffer and one meeting per step suffices.
+// Rows past a step's rows are not carried over: final_states gathers h_n from the output.
+template <class Before, class GateMath>
+void packed_steps(const Loop& loop, int batch, int hidden, const PackedWeights& packed, float* h, float* h_next,
+                  Before before, GateMath gate_math) {
+  const int blocks = (hidden + kUnits - 1) / kUnits;
+  run_team(team_size(batch, hidden, blocks), [&](int thread, int threads, StepBarrier& barrier) {
+    const int first_block = blocks * thread / threads, end_block = blocks * (thread + 1) / threads;
+    const int first_unit = first_block * kUnits, end_unit = std::min(hidden, end_block * kUnits);
+    alignas(64) float tile[kRowsPerTile * kTile];
+    float *current = h, *next = h_next;
+    for (const Step& step : loop.steps) {
+      before(step, first_unit, end_unit, current);
+      for (int b = first_block; b < end_block; ++b) {
+        const float* block = packed.data() + static_cast<size_t>(b) * hidden * kTile;
+        const int unit = b * kUnits, units = std::min(kUnits, hidden - unit);
+        const int tiles = (step.rows + kRowsPerTile - 1) / kRowsPerTile;  // rows spread evenly: no thin last tile
+        for (int t = 0; t < tiles; ++t) {
+          const int r0 = step.rows * t / tiles, rows = step.rows * (t + 1) / tiles - r0;
+          tile_product(rows, current + static_cast<size_t>(r0) * hidden, hidden, hidden, block, tile);
+          for (int r = r0; r < r0 + rows; ++r) gate_math(step, r, unit, units, tile + (r - r0) * kTile, current, next);
+        }
+      }
+      barrier.wait();
+      std::swap(current, next);
+    }
+  });
+}
+
+// Columns [first, end) of rows x width floats from src (row stride width) to dst (the same layout).
+inline void copy_columns(float* dst, const float* src, int rows, int width, int first, int end) {
+  for (int r = 0; r < rows; ++r) {
+    std::memcpy(dst + static_cast<size_t>(r) * width + first, src + static_cast<size_t>(r) * width + first,
+                sizeof(float) * (end - first));
   }
 }
 
@@ -261,24 +486,25 @@ void packed_steps(const Loop& loop, int hidden, const std::vector<float>& packed
 void lstm_forward_packed(std::vector<mx::array>& ins, std::vector<mx::array>& outs, const Loop& loop) {
   const bool save = loop.option & kSave;
   const int batch = ins[2].shape(0), hidden = ins[2].shape(1);
-  float* h = outs[1].data<float>();  // the state advances in h_n and c_n
-  float* c = outs[2].data<float>();
-  copy_rows(h, ins[2].data<float>(), batch, hidden);
+  // Both buffers start as h0: in the reverse direction a sequence joins at a later step, reading h0 from either.
+  std::vector<float> h(ins[2].data<float>(), ins[2].data<float>() + static_cast<size_t>(batch) * hidden), h_next(h);
+  float* c = outs[2].data<float>();  // c advances in place in c_n, each unit by the thread that owns it
   copy_rows(c, ins[3].data<float>(), batch, hidden);
-  std::vector<float> h_next(static_cast<size_t>(batch) * hidden);  // every tile reads all of h: write apart
-  auto before = [&](const Step& step) {
+  auto before = [&](const Step& step, int first, int end, const float* current) {
     if (!save) return;
-    copy_rows(row_of(outs[6], step.first), h, step.rows, hidden);
-    copy_rows(row_of(outs[5], step.first), c, step.rows, hidden);
+    copy_columns(row_of(outs[6], step.first), current, step.rows, hidden, first, end);
+    copy_columns(row_of(outs[5], step.first), c, step.rows, hidden, first, end);
   };
-  auto gate_math = [&](const Step& step, int r, int unit, int units, const float* acc) {
+  auto gate_math = [&](const Step& step, int r, int unit, int units, const float* acc, const float*, float* next) {
     const float* x = row_of(ins[0], step.first + r) + unit;  // x_gates: i at 0, f at H, ...
     lstm_gate_math(units, hidden, x, acc, c + static_cast<size_t>(r) * hidden + unit,
-                   h_next.data() + static_cast<size_t>(r) * hidden + unit, row_of(outs[0], step.first + r) + unit,
+                   next + static_cast<size_t>(r) * hidden + unit, row_of(outs[0], step.first + r) + unit,
                    save ? row_of(outs[3], step.first + r) + unit : nullptr,
                    save ? row_of(outs[4], step.first + r) + unit : nullptr);
   };
-  packed_steps(loop, hidden, pack_gate_weights(ins[1].data<float>(), hidden, 4), h, h_next.data(), before, gate_math);
+  packed_steps(loop, batch, hidden, pack_gate_weights(ins[1].data<float>(), hidden, 4), h.data(), h_next.data(),
+               before, gate_math);
+  final_states(loop, outs[0], outs[1].data<float>());
 }
 
 // The GRU's gate math for `units` (<= 8) units of one row: acc holds their products with w_hh (r, z,
@@ -322,28 +548,94 @@ void gru_forward_packed(std::vector<mx::array>& ins, std::vector<mx::array>& out
   const bool save = loop.option & kSave;
   const int batch = ins[3].shape(0), hidden = ins[3].shape(1);
   const float* b_hh = ins[2].data<float>();
-  float* h = outs[1].data<float>();
-  copy_rows(h, ins[3].data<float>(), batch, hidden);
-  std::vector<float> h_next(static_cast<size_t>(batch) * hidden);
-  auto before = [&](const Step& step) {
-    if (save) copy_rows(row_of(outs[4], step.first), h, step.rows, hidden);
+  std::vector<float> h(ins[3].data<float>(), ins[3].data<float>() + static_cast<size_t>(batch) * hidden), h_next(h);
+  auto before = [&](const Step& step, int first, int end, const float* current) {
+    if (save) copy_columns(row_of(outs[4], step.first), current, step.rows, hidden, first, end);
   };
-  auto gate_math = [&](const Step& step, int r, int unit, int units, const float* acc) {
-    const size_t row = static_cast<size_t>(step.first) + r;
-    gru_gate_math(units, hidden, row_of(ins[0], row) + unit, b_hh + unit, acc, h + static_cast<size_t>(r) * hidden + unit,
-                  h_next.data() + static_cast<size_t>(r) * hidden + unit, row_of(outs[0], row) + unit,
-                  save ? row_of(outs[2], row) + unit : nullptr, save ? row_of(outs[3], row) + unit : nullptr);
+  auto gate_math = [&](const Step& step, int r, int unit, int units, const float* acc, const float* current,
+                       float* next) {
+    const size_t row = static_cast<size_t>(step.first) + r, at = static_cast<size_t>(r) * hidden + unit;
+    gru_gate_math(units, hidden, row_of(ins[0], row) + unit, b_hh + unit, acc, current + at, next + at,
+                  row_of(outs[0], row) + unit, save ? row_of(outs[2], row) + unit : nullptr,
+                  save ? row_of(outs[3], row) + unit : nullptr);
   };
-  packed_steps(loop, hidden, pack_gate_weights(ins[1].data<float>(), hidden, 3), h, h_next.data(), before, gate_math);
+  packed_steps(loop, batch, hidden, pack_gate_weights(ins[1].data<float>(), hidden, 3), h.data(), h_next.data(),
+               before, gate_math);
+  final_states(loop, outs[0], outs[1].data<float>());
 }
 
-// Whether a forward runs on packed weights: AVX-512, enough steps to repay the packing, and a step's
-// product small enough that OpenBLAS's threads do not win it (measured on a 2-core Zen 4, LSTM: B = 64,
-// H = 128 packed 33 ms against 44; B = 32, H = 512 level; H = 650 OpenBLAS ahead).
-constexpr int64_t kPackedMaxMultiplyAdds = 1 << 24;
-bool runs_packed(const Loop& loop, int batch, int hidden) {
+// The backward's time loop on packed weights: per step (in reverse) each thread of the team runs
+// gate_backward(step, first, end) for its units, which writes the step's rows of d_gates (rows, K) for
+// them; the team meets; then each thread computes its blocks of 32 columns of d_gates @ w_hh (K, H)
+// from all of d_gates' columns and writes (or, with accumulate, adds) them into d_h's rows.  The next
+// step's gate_backward reads the same thread's columns of d_h, and writes other rows of d_gates than
+// the product still reads: one meeting per step.
+template <class GateBackward>
+void packed_backward_steps(const Loop& loop, int batch, int hidden, const PackedWeights& packed, const mx::array& d_gates,
+                           float* d_h, bool accumulate, GateBackward gate_backward) {
+  const int depth = d_gates.shape(1), blocks = (hidden + kTile - 1) / kTile;
+  const int threads = std::min(team_size(batch, hidden, (hidden + kUnits - 1) / kUnits), blocks);
+  run_team(threads, [&](int thread, int team, StepBarrier& barrier) {
+    const int first_block = blocks * thread / team, end_block = blocks * (thread + 1) / team;
+    const int first = first_block * kTile, end = std::min(hidden, end_block * kTile);
+    alignas(64) float tile[kRowsPerTile * kTile];
+    for (auto step = loop.steps.rbegin(); step != loop.steps.rend(); ++step) {
+      gate_backward(*step, first, end);
+      barrier.wait();
+      const int tiles = (step->rows + kRowsPerTile - 1) / kRowsPerTile;
+      for (int b = first_block; b < end_block; ++b) {
+        const float* block = packed.data() + static_cast<size_t>(b) * depth * kTile;
+        const int column = b * kTile, columns = std::min(kTile, hidden - column);
+        for (int t = 0; t < tiles; ++t) {
+          const int r0 = step->rows * t / tiles, rows = step->rows * (t + 1) / tiles - r0;
+          tile_product(rows, row_of(d_gates, step->first + r0), depth, depth, block, tile);
+          for (int r = 0; r < rows; ++r) {
+            float* target = d_h + static_cast<size_t>(r0 + r) * hidden + column;
+            const float* result = tile + r * kTile;
+            for (int j = 0; j < columns; ++j) target[j] = accumulate ? target[j] + result[j] : result[j];
+          }
+        }
+      }
+    }
+  });
+}
+
+void lstm_backward_packed(std::vector<mx::array>& ins, std::vector<mx::array>& outs, const Loop& loop) {
+  const int batch = ins[5].shape(0), hidden = ins[5].shape(1);
+  float* d_h = outs[1].data<float>();  // the gradients flow back in place in d_h0 and d_c0
+  float* d_c = outs[2].data<float>();
+  copy_rows(d_h, ins[5].data<float>(), batch, hidden);
+  copy_rows(d_c, ins[6].data<float>(), batch, hidden);
+  packed_backward_steps(loop, batch, hidden, pack_columns(ins[0].data<float>(), 4 * hidden, hidden), outs[0], d_h,
+                        false, [&](const Step& step, int first, int end) {
+                          lstm_gate_backward(ins, outs, step, d_h, d_c, first, end);
+                        });
+}
+
+void gru_backward_packed(std::vector<mx::array>& ins, std::vector<mx::array>& outs, const Loop& loop) {
+  const int batch = ins[5].shape(0), hidden = ins[5].shape(1);
+  float* d_h = outs[2].data<float>();
+  copy_rows(d_h, ins[5].data<float>(), batch, hidden);
+  packed_backward_steps(loop, batch, hidden, pack_columns(ins[0].data<float>(), 3 * hidden, hidden), outs[1], d_h,
+                        true, [&](const Step& step, int first, int end) {
+                          gru_gate_backward(ins, outs, step, d_h, first, end);
+                        });
+}
+
+// Whether a backward runs on packed weights: enough steps to repay the packing.  Its loop alone, on a
+// 2-core Zen 3 (AVX2): LSTM (T, B, H) = (200, 64, 128) 33 -> 20 ms, (35, 20, 650) 32 -> 26, (100, 32, 512)
+// 57 -> 57; GRU (100, 32, 512) 47 -> 36.
+bool runs_packed_backward(const Loop& loop) { return static_cast<int>(loop.steps.size()) >= kPackedMinSteps; }
+
+// Whether a forward runs on packed weights: enough steps to repay the packing, and for the GRU (a quarter
+// of its tile's FMAs are the zero slot's) a team of threads to run it.  Measured in a layer on a 2-core
+// Zen 3 (AVX2), OpenBLAS's workers spinning for 2^20 cycles: the LSTM packed ahead at every size, from
+// (B, H) = (1, 256) to (20, 650); the GRU packed on two threads ahead from (64, 128) to (20, 650), on
+// one thread behind at (1, 256).
+bool runs_packed(const Loop& loop, int batch, int hidden, int gate_count) {
+  const int blocks = (hidden + kUnits - 1) / kUnits;
   return static_cast<int>(loop.steps.size()) >= kPackedMinSteps &&
-         int64_t{batch} * 4 * hidden * hidden <= kPackedMaxMultiplyAdds;
+         (gate_count == 4 || team_size(batch, hidden, blocks) > 1);
 }
 #endif
 
@@ -352,8 +644,8 @@ bool runs_packed(const Loop& loop, int batch, int hidden) {
 // ins: x_gates (N, 4H), w_hh (4H, H), h0, c0 (B, H)
 // outs: output (N, H), h_n, c_n (B, H) [, activations (N, 4H), tanh_c, c_prev, h_prev (N, H)]
 void lstm_forward(std::vector<mx::array>& ins, std::vector<mx::array>& outs, const Loop& loop) {
-#if defined(__AVX512F__)
-  if (runs_packed(loop, ins[2].shape(0), ins[2].shape(1))) return lstm_forward_packed(ins, outs, loop);
+#if defined(__AVX2__) && defined(__FMA__)
+  if (runs_packed(loop, ins[2].shape(0), ins[2].shape(1), 4)) return lstm_forward_packed(ins, outs, loop);
 #endif
   const auto& steps = loop.steps;
   const int option = loop.option;
@@ -397,35 +689,19 @@ void lstm_forward(std::vector<mx::array>& ins, std::vector<mx::array>& outs, con
 // ins: w_hh (4H, H), activations (N, 4H), tanh_c, c_prev, d_output (N, H), d_h_n, d_c_n (B, H)
 // outs: d_x_gates (N, 4H), d_h0, d_c0 (B, H)
 void lstm_backward(std::vector<mx::array>& ins, std::vector<mx::array>& outs, const Loop& loop) {
-  const auto& steps = loop.steps;
+#if defined(__AVX2__) && defined(__FMA__)
+  if (runs_packed_backward(loop)) return lstm_backward_packed(ins, outs, loop);
+#endif
   const int batch = ins[5].shape(0), hidden = ins[5].shape(1), gates = 4 * hidden;
   float* d_h = outs[1].data<float>();  // the gradients flow back in place in d_h0 and d_c0
   float* d_c = outs[2].data<float>();
   copy_rows(d_h, ins[5].data<float>(), batch, hidden);
   copy_rows(d_c, ins[6].data<float>(), batch, hidden);
-  for (auto step = steps.rbegin(); step != steps.rend(); ++step) {
-    for (int r = 0; r < step->rows; ++r) {
-      const int row = step->first + r;
-      const float *a = row_of(ins[1], row), *tanh_cs = row_of(ins[2], row), *c_prev = row_of(ins[3], row);
-      const float* d_output = row_of(ins[4], row);
-      float* d_a = row_of(outs[0], row);
-      float* d_h_row = d_h + static_cast<size_t>(r) * hidden;
-      float* d_c_row = d_c + static_cast<size_t>(r) * hidden;
-      for (int j = 0; j < hidden; ++j) {
-        const float i = a[j], f = a[hidden + j], g = a[2 * hidden + j], o = a[3 * hidden + j];
-        const float tanh_c = tanh_cs[j];
-        const float d_out = d_output[j] + d_h_row[j];
-        const float dc = d_c_row[j] + d_out * o * (1 - tanh_c * tanh_c);
-        d_a[j] = dc * g * i * (1 - i);
-        d_a[hidden + j] = dc * c_prev[j] * f * (1 - f);
-        d_a[2 * hidden + j] = dc * i * (1 - g * g);
-        d_a[3 * hidden + j] = d_out * tanh_c * o * (1 - o);
-        d_c_row[j] = dc * f;
-      }
-    }
+  for (auto step = loop.steps.rbegin(); step != loop.steps.rend(); ++step) {
+    lstm_gate_backward(ins, outs, *step, d_h, d_c, 0, hidden);
     // d_h[:rows] = d_gates (rows, 4H) @ w_hh (4H, H)
     cblas_sgemm(kRowMajor, kNoTrans, kNoTrans, step->rows, hidden, gates, 1.0f, row_of(outs[0], step->first),
-                      gates, ins[0].data<float>(), hidden, 0.0f, d_h, hidden);
+                gates, ins[0].data<float>(), hidden, 0.0f, d_h, hidden);
   }
 }
 
@@ -434,8 +710,8 @@ void lstm_backward(std::vector<mx::array>& ins, std::vector<mx::array>& outs, co
 // ins: x_gates (N, 3H) = x W_ih^T + b_ih, w_hh (3H, H), b_hh (3H,), h0 (B, H)
 // outs: output (N, H), h_n (B, H) [, activations r, z, n (N, 3H), hidden_side (N, 3H), h_prev (N, H)]
 void gru_forward(std::vector<mx::array>& ins, std::vector<mx::array>& outs, const Loop& loop) {
-#if defined(__AVX512F__)
-  if (runs_packed(loop, ins[3].shape(0), ins[3].shape(1))) return gru_forward_packed(ins, outs, loop);
+#if defined(__AVX2__) && defined(__FMA__)
+  if (runs_packed(loop, ins[3].shape(0), ins[3].shape(1), 3)) return gru_forward_packed(ins, outs, loop);
 #endif
   const auto& steps = loop.steps;
   const int option = loop.option;
@@ -472,34 +748,17 @@ void gru_forward(std::vector<mx::array>& ins, std::vector<mx::array>& outs, cons
 // ins: w_hh (3H, H), activations (N, 3H), hidden_side (N, 3H), h_prev (N, H), d_output (N, H), d_h_n (B, H)
 // outs: d_input_side (N, 3H) (= d_x_gates), d_hidden_side (N, 3H), d_h0 (B, H)
 void gru_backward(std::vector<mx::array>& ins, std::vector<mx::array>& outs, const Loop& loop) {
-  const auto& steps = loop.steps;
+#if defined(__AVX2__) && defined(__FMA__)
+  if (runs_packed_backward(loop)) return gru_backward_packed(ins, outs, loop);
+#endif
   const int batch = ins[5].shape(0), hidden = ins[5].shape(1), gates = 3 * hidden;
   float* d_h = outs[2].data<float>();
   copy_rows(d_h, ins[5].data<float>(), batch, hidden);
-  for (auto step = steps.rbegin(); step != steps.rend(); ++step) {
-    for (int r = 0; r < step->rows; ++r) {
-      const int row = step->first + r;
-      const float *a = row_of(ins[1], row), *hs = row_of(ins[2], row), *h_prev = row_of(ins[3], row);
-      const float* d_output = row_of(ins[4], row);
-      float* d_input = row_of(outs[0], row);
-      float* d_hidden = row_of(outs[1], row);
-      float* d_h_row = d_h + static_cast<size_t>(r) * hidden;
-      for (int j = 0; j < hidden; ++j) {
-        const float reset = a[j], update = a[hidden + j], n = a[2 * hidden + j];
-        const float d_out = d_output[j] + d_h_row[j];
-        const float d_n = d_out * (1 - update) * (1 - n * n);
-        const float d_z = d_out * (h_prev[j] - n) * update * (1 - update);
-        const float d_r = d_n * hs[2 * hidden + j] * reset * (1 - reset);
-        d_input[j] = d_hidden[j] = d_r;
-        d_input[hidden + j] = d_hidden[hidden + j] = d_z;
-        d_input[2 * hidden + j] = d_n;
-        d_hidden[2 * hidden + j] = d_n * reset;
-        d_h_row[j] = d_out * update;  // the direct path; the recurrent one is added below
-      }
-    }
+  for (auto step = loop.steps.rbegin(); step != loop.steps.rend(); ++step) {
+    gru_gate_backward(ins, outs, *step, d_h, 0, hidden);
     // d_h[:rows] += d_hidden_side (rows, 3H) @ w_hh (3H, H)
     cblas_sgemm(kRowMajor, kNoTrans, kNoTrans, step->rows, hidden, gates, 1.0f, row_of(outs[1], step->first),
-                      gates, ins[0].data<float>(), hidden, 1.0f, d_h, hidden);
+                gates, ins[0].data<float>(), hidden, 1.0f, d_h, hidden);
   }
 }
 
