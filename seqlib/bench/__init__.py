@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-__all__ = ["Case", "cpu_vector_extensions", "print_versions", "run_cases"]
+__all__ = ["Case", "cpu_vector_extensions", "keep_large_buffers", "print_versions", "run_cases"]
 
 
 @dataclass
@@ -56,6 +56,25 @@ def cpu_vector_extensions() -> str:
     return f"{model}; vector extensions: {' '.join(flag for flag in wanted if flag in flags) or 'none listed'}"
 
 
+_cache_limits: list[int] = []  # (before, after) once keep_large_buffers has run
+
+
+def keep_large_buffers() -> None:
+    """Let MLX keep freed buffers of any size for reuse: ``mx.set_cache_limit`` raised to MLX's memory limit.
+
+    On Linux MLX's CPU buffer cache holds 32 MB by default: a larger array goes back to the system when
+    it is freed, and the next one takes a page fault on every 4 KB page it touches, about 0.75 ms per MB
+    on our virtual machines (``x + 1`` on 40 MB: 34 ms, 5 ms with the cache raised).  A long sequence's
+    gates pass 32 MB (LSTM, T = 1,600, B = 32, H = 128: 105 MB), and its per-step cost would grow with T
+    for that alone.  The suites raise the limit, as a program that runs long sequences on the CPU should
+    (README, Troubleshooting), and say so in their header."""
+    import mlx.core as mx
+
+    if not _cache_limits:
+        limit = mx.get_memory_limit()
+        _cache_limits.extend([mx.set_cache_limit(limit), limit])
+
+
 def print_versions() -> None:
     """The versions and settings a reader needs to compare timings, and the CPU they were taken on."""
     import importlib.util
@@ -68,6 +87,9 @@ def print_versions() -> None:
     print(f"CPU: {cpu_vector_extensions()}, {os.cpu_count()} logical cores")
     print(f"seqlib {seqlib.__version__}, MLX {mx.__version__}, BLAS routed: {seqlib.blas_status().routed}, "
           f"C++ CPU primitives: {seqlib.native.available()} ({seqlib.native.reason()})")  # fmt: skip
+    if _cache_limits:
+        print(f"MLX buffer cache limit raised from {_cache_limits[0] >> 20} MB to {_cache_limits[1] >> 20} MB "
+              f"(mx.set_cache_limit: large arrays are reused, not page-faulted anew)")  # fmt: skip
     if importlib.util.find_spec("torch") is None:
         print("torch is not installed: no torch column")
         return

@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 
 import seqlib
+from seqlib.bench import keep_large_buffers
 
 SUITES = ("embedding", "recurrent", "kernels", "blas")
 
@@ -20,6 +21,7 @@ def main() -> None:
     args = parser.parse_args()
     if args.suite != "blas":  # the blas suite compares routed and plain processes itself
         seqlib.route_mlx_blas()  # MLX's matmuls on OpenBLAS, as the book runs them
+    keep_large_buffers()  # MLX reuses large buffers instead of page-faulting fresh ones (see its docstring)
     if args.suite == "embedding":
         from seqlib.bench import embedding_suite
 

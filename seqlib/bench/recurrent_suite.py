@@ -10,6 +10,10 @@ Three tables:
    keeps the per-step time flat.
 3. Streaming: one step at batch 1 with a carried state, evaluated every step (a
    cell's call, a layer's ``step``), against torch single-threaded.
+4. Training a whole model: chapter 13's character model (Embedding(97, 32), a 2-layer
+   LSTM, a Linear head, cross-entropy, Adam; B = 64, L = 32), one training step, the
+   MLX step compiled as MLX programs run it (``mx.compile`` with the model's and the
+   optimizer's state) and eager, against the same model in torch from the same weights.
 
 Implementations:
 
@@ -47,6 +51,9 @@ SCALING_STEPS, QUICK_SCALING_STEPS = (100, 400, 1600, 3200), (20, 80)
 SCALING_BATCHES, SCALING_WIDTH = (1, 32), 128
 # Streaming: one step at batch 1 with a carried state, evaluated every step, as a live stream runs.
 STREAM_WIDTHS, QUICK_STREAM_WIDTHS, STREAM_STEPS = (128, 512), (16,), 50
+# Training: chapter 13's character model at two widths.
+TRAINING_WIDTHS, QUICK_TRAINING_WIDTHS = (128, 512), (16,)
+CHAR_VOCAB, CHAR_EMBEDDING, CHAR_BATCH, CHAR_WINDOW, CHAR_LAYERS = 97, 32, 64, 32, 2
 
 
 def _relative_error(reference, other) -> float:
@@ -169,6 +176,8 @@ def main(repeats: int = 7, quick: bool = False) -> None:
     print_peak_memory(shapes)
     print_scaling(QUICK_SCALING_STEPS if quick else SCALING_STEPS, repeats=2 if quick else max(3, repeats // 2))
     print_streaming(QUICK_STREAM_WIDTHS if quick else STREAM_WIDTHS, repeats=2 if quick else repeats, machine=machine)
+    print_training_steps(QUICK_TRAINING_WIDTHS if quick else TRAINING_WIDTHS, repeats=2 if quick else 3 * repeats,
+                         machine=machine)  # fmt: skip
 
 
 # ----------------------------------------------------------------- memory of a training step
@@ -388,3 +397,123 @@ def _print_summary(rows: list[dict]) -> None:
         if limit is not None:
             line += f"   x{limit:.2f} limit"
         print(line)
+
+
+# ----------------------------------------------------------------- training a whole model
+
+
+class _CharModel(mlx.nn.Module):
+    """Chapter 13's character model: Embedding, a stacked LSTM, a Linear head; (B, L) ids -> (B, L, V) logits."""
+
+    def __init__(self, hidden_size: int):
+        super().__init__()
+        self.embedding = seqlib.nn.Embedding(CHAR_VOCAB, CHAR_EMBEDDING)
+        self.recurrent = seqlib.nn.LSTM(CHAR_EMBEDDING, hidden_size, num_layers=CHAR_LAYERS, batch_first=True)
+        self.head = mlx.nn.Linear(hidden_size, CHAR_VOCAB)
+
+    def __call__(self, ids):
+        output, _ = self.recurrent(self.embedding(ids))
+        return self.head(output)
+
+
+def _char_loss(model, ids, targets):
+    return mlx.nn.losses.cross_entropy(model(ids), targets, reduction="mean")
+
+
+def _mlx_training_step(hidden_size: int, compiled: bool):
+    """A fresh model (seed 0), Adam, and a function running one training step on (ids, targets): the loss."""
+    import mlx.optimizers
+
+    mx.random.seed(0)
+    model = _CharModel(hidden_size)
+    optimizer = mlx.optimizers.Adam(learning_rate=1e-3)
+    mx.eval(model.parameters())
+    state = [model.state, optimizer.state]
+
+    def step(ids, targets):
+        loss, grads = mlx.nn.value_and_grad(model, _char_loss)(model, ids, targets)
+        optimizer.update(model, grads)
+        return loss
+
+    if compiled:  # MLX's pattern for a training step: the model's and the optimizer's state as implicit inputs
+        step = mx.compile(step, inputs=state, outputs=state)
+
+    def run(ids, targets):
+        loss = step(ids, targets)
+        mx.eval(state, loss)
+        return loss.item()
+
+    return model, run
+
+
+def _torch_training_step(model: _CharModel):
+    """The same model in torch, from ``model``'s weights, with Adam: a function running one step (the loss)."""
+    import torch
+
+    embedding = torch.nn.Embedding(CHAR_VOCAB, CHAR_EMBEDDING)
+    recurrent = torch.nn.LSTM(CHAR_EMBEDDING, model.head.weight.shape[1], num_layers=CHAR_LAYERS, batch_first=True)
+    head = torch.nn.Linear(model.head.weight.shape[1], CHAR_VOCAB)
+    with torch.no_grad():
+        embedding.weight.copy_(torch.from_numpy(np.array(model.embedding.weight)))
+        recurrent.load_state_dict({name: torch.from_numpy(np.array(value))
+                                   for name, value in model.recurrent.torch_state_dict().items()})  # fmt: skip
+        head.weight.copy_(torch.from_numpy(np.array(model.head.weight)))
+        head.bias.copy_(torch.from_numpy(np.array(model.head.bias)))
+    parameters = [*embedding.parameters(), *recurrent.parameters(), *head.parameters()]
+    optimizer = torch.optim.Adam(parameters, lr=1e-3)
+
+    def run(ids, targets):
+        optimizer.zero_grad()
+        logits = head(recurrent(embedding(ids))[0])
+        loss = torch.nn.functional.cross_entropy(logits.reshape(-1, CHAR_VOCAB), targets.reshape(-1))
+        loss.backward()
+        optimizer.step()
+        return loss.item()
+
+    return run
+
+
+def training_step_case(hidden_size: int) -> Case:
+    """One training step of the character model: seqlib compiled and eager, torch; the first steps' losses agree."""
+    rng = np.random.default_rng(0)
+    ids_np = rng.integers(0, CHAR_VOCAB, (CHAR_BATCH, CHAR_WINDOW)).astype(np.int32)
+    targets_np = rng.integers(0, CHAR_VOCAB, (CHAR_BATCH, CHAR_WINDOW)).astype(np.int32)
+    ids, targets = mx.array(ids_np), mx.array(targets_np)
+    model, compiled = _mlx_training_step(hidden_size, compiled=True)
+    _, eager = _mlx_training_step(hidden_size, compiled=False)
+    implementations = {"seqlib (compiled)": lambda: compiled(ids, targets),
+                       "seqlib (eager)": lambda: eager(ids, targets)}  # fmt: skip
+    if HAVE_TORCH:
+        import torch
+
+        ids_t, targets_t = torch.from_numpy(ids_np.astype(np.int64)), torch.from_numpy(targets_np.astype(np.int64))
+        theirs = _torch_training_step(model)
+        implementations["torch"] = lambda: theirs(ids_t, targets_t)
+    # FLOPs of the matmuls: each LSTM layer 2 B L 4H (D + H), the head 2 B L H V; backward twice the forward
+    tokens, gates = CHAR_BATCH * CHAR_WINDOW, 4 * hidden_size
+    forward = 2 * tokens * gates * (CHAR_EMBEDDING + hidden_size) + 2 * tokens * gates * 2 * hidden_size * (
+        CHAR_LAYERS - 1) + 2 * tokens * hidden_size * CHAR_VOCAB  # fmt: skip
+    return Case(
+        name=f"training step, character model H={hidden_size} (2-layer LSTM, B={CHAR_BATCH}, L={CHAR_WINDOW}, Adam)",
+        implementations=implementations,
+        flops=3 * forward,
+        check=lambda a, b: abs(a - b) / max(abs(a), 1e-30),  # the first steps' losses, from the same weights
+        tolerance=1e-4,
+        notes=[f"napkin: {3 * forward / 1e9:.2f} GFLOP of matmuls per step"],
+        mlx_baseline="seqlib (eager)",
+    )
+
+
+def print_training_steps(widths=TRAINING_WIDTHS, repeats: int = 21, machine=None) -> list[dict]:
+    """Time one training step per width (the first call of each compiles or warms it; every implementation's
+    first step is checked against the first's loss); print the table and the ratios to torch."""
+    print("\ntraining a whole model: one step of chapter 13's character model, interleaved with torch")
+    rows = []
+    for hidden_size in widths:
+        case_rows = run_cases([training_step_case(hidden_size)], repeats=repeats, warmup=2, machine=machine)
+        rows += case_rows
+        times = {row["implementation"]: row["median_ms"] for row in case_rows}
+        if "torch" in times:
+            print(f"  H={hidden_size}: seqlib compiled / torch x{times['seqlib (compiled)'] / times['torch']:.2f}, "
+                  f"eager / torch x{times['seqlib (eager)'] / times['torch']:.2f}")  # fmt: skip
+    return rows
