@@ -203,6 +203,45 @@ def test_import_builds_nothing_and_leaves_mlx_alone_until_asked(tmp_path):
     assert all("blas_shim" in owner for owner in outcome["routed_owners"])
 
 
+SPIN_PROBE = """
+    import os, time, mlx.core as mx, seqlib
+    seqlib.route_mlx_blas()
+    a = mx.ones((1024, 1024))
+    mx.eval(a @ a)  # OpenBLAS's workers start
+    burnt = []
+    for _ in range(3):
+        mx.eval(a @ a)
+        start = time.process_time()
+        time.sleep(0.3)  # this thread sleeps: what the process burns meanwhile is the workers' spinning
+        burnt.append(time.process_time() - start)
+    print(min(burnt), "OPENBLAS_THREAD_TIMEOUT" in os.environ)
+"""
+
+
+@linux_only
+@pytest.mark.parametrize("timeout, spins", [(None, False), ("28", True)])
+def test_openblas_workers_stop_spinning_soon_after_a_product_unless_the_user_says_otherwise(timeout, spins):
+    """seqlib's time loops start right after MLX's input product and need both cores; OpenBLAS's default
+    spin (2^28 cycles, about 0.1 s of a core after every threaded call) took one.  The shim's OpenBLAS is
+    loaded with 2^20, the environment left as it was; a value the user set is kept."""
+    if spins and len(os.sched_getaffinity(0)) < 2:
+        pytest.skip("OpenBLAS has no worker thread on one core")
+    env = {"OPENBLAS_NUM_THREADS": "2"} | ({"OPENBLAS_THREAD_TIMEOUT": timeout} if timeout else {})
+    if timeout is None:
+        env_without = {k: v for k, v in os.environ.items() if k != "OPENBLAS_THREAD_TIMEOUT"}
+        result = subprocess.run([sys.executable, "-c", textwrap.dedent(SPIN_PROBE)], env=env_without | env,
+                                capture_output=True, text=True, timeout=300)  # fmt: skip
+    else:
+        result = run_python(SPIN_PROBE, **env)
+    assert result.returncode == 0, result.stderr
+    burnt, still_set = result.stdout.split()
+    assert still_set == ("True" if timeout else "False")
+    if spins:
+        assert float(burnt) > 0.03  # the user's 2^28 cycles: tens of milliseconds
+    else:
+        assert float(burnt) < 0.02  # 2^20 cycles: well under a millisecond
+
+
 @linux_only
 def test_small_products_run_on_one_openblas_thread_and_large_ones_on_all_it_may_use():
     """A recurrent step's small GEMM handed to several threads waited on them: 10x slower on a busy machine.
