@@ -9,7 +9,9 @@ Three tables:
    D = H = 128, RNN/LSTM/GRU, forward and forward + backward: a cost linear in T
    keeps the per-step time flat.
 3. Streaming: one step at batch 1 with a carried state, evaluated every step (a
-   cell's call, a layer's ``step``), against torch single-threaded.
+   cell's call, a layer's ``step``), against torch single-threaded; then an LSTMCell
+   with 8-bit weights (``to_quantized``) against the float cell and torch's dynamically
+   quantized int8 LSTMCell.
 4. Training a whole model: chapter 13's character model (Embedding(97, 32), a 2-layer
    LSTM, a Linear head, cross-entropy, Adam; B = 64, L = 32), one training step, the
    MLX step compiled as MLX programs run it (``mx.compile`` with the model's and the
@@ -51,6 +53,7 @@ SCALING_STEPS, QUICK_SCALING_STEPS = (100, 400, 1600, 3200), (20, 80)
 SCALING_BATCHES, SCALING_WIDTH = (1, 32), 128
 # Streaming: one step at batch 1 with a carried state, evaluated every step, as a live stream runs.
 STREAM_WIDTHS, QUICK_STREAM_WIDTHS, STREAM_STEPS = (128, 512), (16,), 50
+QUICK_QUANTIZED_WIDTHS, QUANTIZED_BITS, QUANTIZED_GROUP = (64,), 8, 64
 # Training: chapter 13's character model at two widths.
 TRAINING_WIDTHS, QUICK_TRAINING_WIDTHS = (128, 512), (16,)
 CHAR_VOCAB, CHAR_EMBEDDING, CHAR_BATCH, CHAR_WINDOW, CHAR_LAYERS = 97, 32, 64, 32, 2
@@ -176,6 +179,8 @@ def main(repeats: int = 7, quick: bool = False) -> None:
     print_peak_memory(shapes)
     print_scaling(QUICK_SCALING_STEPS if quick else SCALING_STEPS, repeats=2 if quick else max(3, repeats // 2))
     print_streaming(QUICK_STREAM_WIDTHS if quick else STREAM_WIDTHS, repeats=2 if quick else repeats, machine=machine)
+    print_quantized_streaming(QUICK_QUANTIZED_WIDTHS if quick else STREAM_WIDTHS, repeats=2 if quick else repeats,
+                              machine=machine)  # fmt: skip
     print_training_steps(QUICK_TRAINING_WIDTHS if quick else TRAINING_WIDTHS, repeats=2 if quick else 3 * repeats,
                          machine=machine)  # fmt: skip
 
@@ -380,6 +385,74 @@ def print_streaming(widths=STREAM_WIDTHS, repeats: int = 7, machine=None) -> lis
             if case_rows[0]["vs_limit"] is not None:
                 line += f"   x{case_rows[0]['vs_limit']:.1f} limit"
             print(line)
+    return rows
+
+
+def _torch_int8_cell(cell_state_dict, hidden_size: int):
+    """torch's dynamically quantized int8 LSTMCell (``quantize_dynamic``, fbgemm) from the float weights."""
+    import warnings
+
+    import torch
+
+    holder = torch.nn.Module()
+    holder.cell = torch.nn.LSTMCell(hidden_size, hidden_size)
+    holder.cell.load_state_dict(cell_state_dict)
+    with warnings.catch_warnings():  # torch.ao.quantization's deprecation notice (it moves to torchao)
+        warnings.simplefilter("ignore")
+        return torch.ao.quantization.quantize_dynamic(holder, {torch.nn.LSTMCell}, dtype=torch.qint8).cell
+
+
+def quantized_streaming_case(hidden_size: int) -> Case:
+    """One streamed LSTMCell step at batch 1 with 8-bit weights (seqlib's ``to_quantized``: the step reads the
+    packed integers) against the float cell, and torch's float and dynamically quantized int8 cells."""
+    xs_np = _stream_inputs(hidden_size)
+    xs = [mx.array(x) for x in xs_np]
+    cell = seqlib.nn.LSTMCell(hidden_size, hidden_size)
+    quantized = cell.to_quantized(group_size=QUANTIZED_GROUP, bits=QUANTIZED_BITS)
+    zeros = mx.zeros((1, hidden_size))
+    mx.eval(xs, cell.parameters(), quantized.parameters())
+    implementations = {f"seqlib {QUANTIZED_BITS}-bit": lambda: _streamed(quantized, xs, (zeros, zeros)),
+                       "seqlib float": lambda: _streamed(cell, xs, (zeros, zeros))}  # fmt: skip
+    if HAVE_TORCH:
+        import torch
+
+        state_dict = {name: torch.from_numpy(np.array(value)) for name, value in cell.torch_state_dict().items()}
+        theirs = torch.nn.LSTMCell(hidden_size, hidden_size)
+        theirs.load_state_dict(state_dict)
+        int8 = _torch_int8_cell(state_dict, hidden_size)
+        xs_torch = [torch.from_numpy(x) for x in xs_np]
+        initial = (torch.zeros(1, hidden_size), torch.zeros(1, hidden_size))
+        implementations["torch int8 (1 thread)"] = lambda: _torch_streamed(int8, xs_torch, initial)
+        implementations["torch (1 thread)"] = lambda: _torch_streamed(theirs, xs_torch, initial)
+    gates = 4 * hidden_size
+    weight_bytes = 2 * gates * hidden_size * (QUANTIZED_BITS / 8 + 8 / QUANTIZED_GROUP)  # values, scales, biases
+    return Case(
+        name=f"streaming LSTMCell, {QUANTIZED_BITS}-bit weights, H={hidden_size}, batch 1, {STREAM_STEPS} steps",
+        implementations=implementations,
+        bytes_moved=STREAM_STEPS * weight_bytes,
+        flops=2 * STREAM_STEPS * gates * 2 * hidden_size,
+        check=lambda a, b: _relative_error(a, b),
+        tolerance=0.05,  # the float cells and torch's int8 one differ from the 8-bit weights by their quantization
+        mlx_baseline="seqlib float",
+    )
+
+
+def print_quantized_streaming(widths=STREAM_WIDTHS, repeats: int = 7, machine=None) -> list[dict]:
+    """Time the 8-bit streamed step per width; print microseconds per step and its ratio to the float step."""
+    print(f"\nstreaming with {QUANTIZED_BITS}-bit weights: microseconds per step at batch 1 (LSTMCell)")
+    rows = []
+    for hidden_size in widths:
+        case_rows = run_cases([quantized_streaming_case(hidden_size)], repeats=repeats, warmup=1, show=False,
+                              machine=machine)  # fmt: skip
+        rows += case_rows
+        times = {row["implementation"]: 1e3 * row["median_ms"] / STREAM_STEPS for row in case_rows}
+        line = f"  H={hidden_size:<5}" + "".join(f"  {name} {time:7.1f}" for name, time in times.items())
+        line += f"   {QUANTIZED_BITS}-bit / float x{times[f'seqlib {QUANTIZED_BITS}-bit'] / times['seqlib float']:.2f}"
+        if "torch int8 (1 thread)" in times:
+            line += f"   / torch int8 x{times[f'seqlib {QUANTIZED_BITS}-bit'] / times['torch int8 (1 thread)']:.2f}"
+        if case_rows[0]["vs_limit"] is not None:
+            line += f"   x{case_rows[0]['vs_limit']:.1f} limit"
+        print(line)
     return rows
 
 

@@ -45,6 +45,7 @@
 
 #include <nanobind/nanobind.h>
 #include <nanobind/stl/optional.h>
+#include <nanobind/stl/string.h>
 #include <nanobind/stl/vector.h>
 
 #include "cpu_loop.h"
@@ -78,6 +79,42 @@ inline float fast_tanh(float x) {
 }
 
 inline float fast_sigmoid(float x) { return 0.5f * fast_tanh(0.5f * x) + 0.5f; }
+
+// One row's LSTM gate math (seqlib.pointwise's): a (4H) holds the row's pre-activations i, f, g, o and
+// becomes their activations; c_row advances in place; h_row and out_row get the new h, tanh_row (where
+// not nullptr) tanh of the new c.
+inline void lstm_row(int hidden, float* a, float* c_row, float* h_row, float* out_row, float* tanh_row) {
+  for (int j = 0; j < hidden; ++j) {
+    const float i = fast_sigmoid(a[j]), f = fast_sigmoid(a[hidden + j]);
+    const float g = fast_tanh(a[2 * hidden + j]), o = fast_sigmoid(a[3 * hidden + j]);
+    const float c_new = f * c_row[j] + i * g;
+    const float tanh_c = fast_tanh(c_new);
+    a[j] = i, a[hidden + j] = f, a[2 * hidden + j] = g, a[3 * hidden + j] = o;
+    c_row[j] = c_new;
+    h_row[j] = out_row[j] = o * tanh_c;
+    if (tanh_row != nullptr) tanh_row[j] = tanh_c;
+  }
+}
+
+// One row's GRU gate math (torch's): x (3H) the input side r, z, n, hs (3H) the hidden side with b_hh;
+// h_row advances in place, out_row gets the new h, a (where not nullptr) the activations r, z, n.
+inline void gru_row(int hidden, const float* x, const float* hs, float* h_row, float* out_row, float* a) {
+  for (int j = 0; j < hidden; ++j) {
+    const float reset = fast_sigmoid(x[j] + hs[j]);
+    const float update = fast_sigmoid(x[hidden + j] + hs[hidden + j]);
+    const float n = fast_tanh(x[2 * hidden + j] + reset * hs[2 * hidden + j]);
+    h_row[j] = out_row[j] = n + update * (h_row[j] - n);
+    if (a != nullptr) a[j] = reset, a[hidden + j] = update, a[2 * hidden + j] = n;
+  }
+}
+
+// count pre-activations of the Elman RNN to h and out: tanh, or relu (which keeps NaN, as torch's).
+inline void rnn_rows(size_t count, bool relu, const float* pre, float* h, float* out) {
+  for (size_t k = 0; k < count; ++k) {
+    const float x = pre[k];
+    h[k] = out[k] = relu ? (x < 0 ? 0.0f : x) : fast_tanh(x);
+  }
+}
 
 struct Step {
   int first;  // first packed row of the step
@@ -263,8 +300,9 @@ inline void tile_product(const float* a, int lda, int depth, const float* block,
 #else
 // AVX2 (16 registers): the tile as two halves of 16 columns, each 2 vectors of weights loaded once per k and
 // ROWS <= 6 broadcasts into 12 accumulators: 12 FMAs per 8 loads (all 32 columns at once, 3 rows, took 15
-// loads per 12 FMAs and ran at half the rate).  One row has too few accumulators for the FMAs' latency:
-// it takes all 32 columns and two k at a time into 8.
+// loads per 12 FMAs and ran at half the rate).  One row has too few accumulators in a half for the FMAs'
+// latency: it takes all 32 columns at once, 4 accumulators.  Every form, and AVX-512's, adds each output's
+// products in the order of k with one FMA each: AVX2 and AVX-512 machines give the same bits.
 template <int ROWS>
 inline void tile_product(const float* a, int lda, int depth, const float* block, float* tile) {
   for (int half = 0; half < 2; ++half) {
@@ -288,21 +326,14 @@ inline void tile_product(const float* a, int lda, int depth, const float* block,
 
 template <>
 inline void tile_product<1>(const float* a, int, int depth, const float* block, float* tile) {
-  __m256 even[4], odd[4];
-  for (int v = 0; v < 4; ++v) even[v] = odd[v] = _mm256_setzero_ps();
-  int k = 0;
-  for (; k + 2 <= depth; k += 2) {
-    const float* w = block + static_cast<size_t>(k) * kTile;
-    const __m256 x0 = _mm256_broadcast_ss(a + k), x1 = _mm256_broadcast_ss(a + k + 1);
-    for (int v = 0; v < 4; ++v) even[v] = _mm256_fmadd_ps(x0, _mm256_loadu_ps(w + 8 * v), even[v]);
-    for (int v = 0; v < 4; ++v) odd[v] = _mm256_fmadd_ps(x1, _mm256_loadu_ps(w + kTile + 8 * v), odd[v]);
-  }
-  if (k < depth) {
+  __m256 acc[4];
+  for (int v = 0; v < 4; ++v) acc[v] = _mm256_setzero_ps();
+  for (int k = 0; k < depth; ++k) {
     const float* w = block + static_cast<size_t>(k) * kTile;
     const __m256 x = _mm256_broadcast_ss(a + k);
-    for (int v = 0; v < 4; ++v) even[v] = _mm256_fmadd_ps(x, _mm256_loadu_ps(w + 8 * v), even[v]);
+    for (int v = 0; v < 4; ++v) acc[v] = _mm256_fmadd_ps(x, _mm256_loadu_ps(w + 8 * v), acc[v]);
   }
-  for (int v = 0; v < 4; ++v) _mm256_storeu_ps(tile + 8 * v, _mm256_add_ps(even[v], odd[v]));
+  for (int v = 0; v < 4; ++v) _mm256_storeu_ps(tile + 8 * v, acc[v]);
 }
 #endif
 
@@ -667,20 +698,8 @@ void lstm_forward(std::vector<mx::array>& ins, std::vector<mx::array>& outs, con
                       ins[1].data<float>(), hidden, 1.0f, pre.data(), gates);
     for (int r = 0; r < step.rows; ++r) {
       float* a = pre.data() + static_cast<size_t>(r) * gates;  // becomes the activations
-      float* h_row = h + static_cast<size_t>(r) * hidden;
-      float* c_row = c + static_cast<size_t>(r) * hidden;
-      float* out_row = row_of(outs[0], step.first + r);
-      float* tanh_row = save ? row_of(outs[4], step.first + r) : nullptr;
-      for (int j = 0; j < hidden; ++j) {
-        const float i = fast_sigmoid(a[j]), f = fast_sigmoid(a[hidden + j]);
-        const float g = fast_tanh(a[2 * hidden + j]), o = fast_sigmoid(a[3 * hidden + j]);
-        const float c_new = f * c_row[j] + i * g;
-        const float tanh_c = fast_tanh(c_new);
-        a[j] = i, a[hidden + j] = f, a[2 * hidden + j] = g, a[3 * hidden + j] = o;
-        c_row[j] = c_new;
-        h_row[j] = out_row[j] = o * tanh_c;
-        if (save) tanh_row[j] = tanh_c;
-      }
+      lstm_row(hidden, a, c + static_cast<size_t>(r) * hidden, h + static_cast<size_t>(r) * hidden,
+               row_of(outs[0], step.first + r), save ? row_of(outs[4], step.first + r) : nullptr);
       if (save) copy_rows(row_of(outs[3], step.first + r), a, 1, gates);
     }
   }
@@ -728,18 +747,9 @@ void gru_forward(std::vector<mx::array>& ins, std::vector<mx::array>& outs, cons
     cblas_sgemm(kRowMajor, kNoTrans, kTrans, step.rows, gates, hidden, 1.0f, h, hidden,
                       ins[1].data<float>(), hidden, 1.0f, hidden_side.data(), gates);
     for (int r = 0; r < step.rows; ++r) {
-      const float* x = row_of(ins[0], step.first + r);
       const float* hs = hidden_side.data() + static_cast<size_t>(r) * gates;
-      float* h_row = h + static_cast<size_t>(r) * hidden;
-      float* out_row = row_of(outs[0], step.first + r);
-      float* a = save ? row_of(outs[2], step.first + r) : nullptr;
-      for (int j = 0; j < hidden; ++j) {
-        const float reset = fast_sigmoid(x[j] + hs[j]);
-        const float update = fast_sigmoid(x[hidden + j] + hs[hidden + j]);
-        const float n = fast_tanh(x[2 * hidden + j] + reset * hs[2 * hidden + j]);
-        h_row[j] = out_row[j] = n + update * (h_row[j] - n);
-        if (save) a[j] = reset, a[hidden + j] = update, a[2 * hidden + j] = n;
-      }
+      gru_row(hidden, row_of(ins[0], step.first + r), hs, h + static_cast<size_t>(r) * hidden,
+              row_of(outs[0], step.first + r), save ? row_of(outs[2], step.first + r) : nullptr);
       if (save) copy_rows(row_of(outs[3], step.first + r), hs, 1, gates);
     }
   }
@@ -779,12 +789,7 @@ void rnn_forward(std::vector<mx::array>& ins, std::vector<mx::array>& outs, cons
     if (save) copy_rows(row_of(outs[2], step.first), h, step.rows, hidden);
     cblas_sgemm(kRowMajor, kNoTrans, kTrans, step.rows, hidden, hidden, 1.0f, h, hidden,
                       ins[1].data<float>(), hidden, 1.0f, pre.data(), hidden);
-    float* out = row_of(outs[0], step.first);
-    const size_t count = static_cast<size_t>(step.rows) * hidden;
-    for (size_t k = 0; k < count; ++k) {
-      const float x = pre[k];
-      h[k] = out[k] = relu ? (x < 0 ? 0.0f : x) : fast_tanh(x);  // relu keeps NaN, as torch's
-    }
+    rnn_rows(static_cast<size_t>(step.rows) * hidden, relu, pre.data(), h, row_of(outs[0], step.first));
   }
 }
 
@@ -1191,6 +1196,237 @@ std::vector<mx::array> rnn_step(const mx::array& x, const mx::array& h0, const s
   return layers_step(rnn_layer_step, 1, x, {h0}, weights, relu ? kRelu : 0);
 }
 
+// ----------------------------------------------------------------- one step on quantized weights
+//
+// quantized_step runs one step of a cell or a stack of layers whose weight matrices are stored as
+// mx.quantize stores them in "affine" mode with 4 or 8 bits (seqlib.nn.QuantizedRecurrent): each
+// product reads the packed integers and never forms the float matrix.  A step at batch 1 is bound by
+// reading its weights, so it reads a quarter (8 bits) or an eighth (4 bits) of the float step's bytes.
+// The arithmetic: for row j of W and group g of its columns, W[j, k] = scales[j, g] q[j, k] +
+// biases[j, g], so x W^T [j] = sum_g scales[j, g] (sum_{k in g} x[k] q[j, k]) + biases[j, g] (sum_{k
+// in g} x[k]): the integers times x exactly as floats, summed in a vector per group, scaled, and the
+// groups' sums of x times the biases added.  It rounds otherwise than the dequantized float product
+// (within float32 rounding of the same sum); the gate math is the float step's.
+
+// A (N, K) matrix as mx.quantize stores it: packed (N, K bits / 32) uint32, value k of a row in bits
+// [bits (k mod 32 / bits), +bits) of word k / (32 / bits); scales and biases (N, K / group_size) float32.
+struct QuantizedMatrix {
+  mx::array packed, scales, biases;
+  int group_size, bits;
+};
+
+#if defined(__AVX2__) && defined(__FMA__)
+// 8 values of a row of 8-bit or 4-bit integers, from value k (a multiple of 8) on, as floats.
+inline __m256 quantized_values(const uint8_t* row, int k, int bits) {
+  if (bits == 8) {
+    return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(row + k))));
+  }
+  uint32_t four;  // 4 bytes, 8 values: byte b holds value 2b in its low nibble and 2b + 1 in its high one
+  std::memcpy(&four, row + k / 2, sizeof(four));
+  const __m128i bytes = _mm_cvtsi32_si128(static_cast<int>(four));
+  const __m256i pairs = _mm256_cvtepu8_epi32(_mm_unpacklo_epi8(bytes, bytes));  // b0 b0 b1 b1 ...
+  const __m256i shifted = _mm256_srlv_epi32(pairs, _mm256_setr_epi32(0, 4, 0, 4, 0, 4, 0, 4));
+  return _mm256_cvtepi32_ps(_mm256_and_si256(shifted, _mm256_set1_epi32(15)));
+}
+
+inline float horizontal_sum(__m256 v) {
+  const __m128 sum4 = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  const __m128 sum2 = _mm_add_ps(sum4, _mm_movehl_ps(sum4, sum4));
+  return _mm_cvtss_f32(_mm_add_ss(sum2, _mm_shuffle_ps(sum2, sum2, 1)));
+}
+#endif
+
+// Rows [j, j + ROWS) of x_row (K) @ W^T, W quantized, into totals: each x vector loaded once for the rows.
+#if defined(__AVX2__) && defined(__FMA__)
+template <int ROWS>
+inline void quantized_rows(const float* x_row, const uint8_t* rows, int row_bytes, const float* scales, int groups,
+                           int group_size, int bits, float* totals) {
+  __m256 scaled[ROWS];
+  for (int r = 0; r < ROWS; ++r) scaled[r] = _mm256_setzero_ps();
+  for (int g = 0; g < groups; ++g) {
+    __m256 even[ROWS], odd[ROWS];  // two chains per row: 8 FMAs in flight hide their latency
+    for (int r = 0; r < ROWS; ++r) even[r] = odd[r] = _mm256_setzero_ps();
+    for (int k = g * group_size; k < (g + 1) * group_size; k += 16) {
+      const __m256 x_even = _mm256_loadu_ps(x_row + k), x_odd = _mm256_loadu_ps(x_row + k + 8);
+      for (int r = 0; r < ROWS; ++r) {
+        const uint8_t* row = rows + static_cast<size_t>(r) * row_bytes;
+        even[r] = _mm256_fmadd_ps(x_even, quantized_values(row, k, bits), even[r]);
+        odd[r] = _mm256_fmadd_ps(x_odd, quantized_values(row, k + 8, bits), odd[r]);
+      }
+    }
+    for (int r = 0; r < ROWS; ++r) {
+      const __m256 scale = _mm256_set1_ps(scales[static_cast<size_t>(r) * groups + g]);
+      scaled[r] = _mm256_fmadd_ps(scale, _mm256_add_ps(even[r], odd[r]), scaled[r]);
+    }
+  }
+  for (int r = 0; r < ROWS; ++r) totals[r] = horizontal_sum(scaled[r]);
+}
+#endif
+
+// out (B, N) += x (B, K) @ W^T for W quantized.  bits 4 or 8; group_size a multiple of 16.
+void add_quantized_product(const mx::array& x, const QuantizedMatrix& w, float* out) {
+  const int batch = x.shape(0), depth = x.shape(1), width = w.packed.shape(0), groups = depth / w.group_size;
+  const int row_bytes = depth * w.bits / 8;
+  const auto* packed = reinterpret_cast<const uint8_t*>(w.packed.data<uint32_t>());
+  const float *scales = w.scales.data<float>(), *biases = w.biases.data<float>(), *xs = x.data<float>();
+  std::vector<float> x_sums(groups);  // sum of one row of x over each group
+  for (int b = 0; b < batch; ++b) {
+    const float* x_row = xs + static_cast<size_t>(b) * depth;
+    float* out_row = out + static_cast<size_t>(b) * width;
+    for (int g = 0; g < groups; ++g) {
+      float sum = 0.0f;
+      for (int k = g * w.group_size; k < (g + 1) * w.group_size; ++k) sum += x_row[k];
+      x_sums[g] = sum;
+    }
+    for (int j = 0; j < width;) {
+      float totals[4];
+      const uint8_t* rows = packed + static_cast<size_t>(j) * row_bytes;
+      const float* scale = scales + static_cast<size_t>(j) * groups;
+      int count = std::min(4, width - j);
+#if defined(__AVX2__) && defined(__FMA__)
+      if (count == 4) {
+        quantized_rows<4>(x_row, rows, row_bytes, scale, groups, w.group_size, w.bits, totals);
+      } else {
+        count = 1;
+        quantized_rows<1>(x_row, rows, row_bytes, scale, groups, w.group_size, w.bits, totals);
+      }
+#else
+      count = 1;
+      const int per_word = 32 / w.bits;
+      totals[0] = 0.0f;
+      for (int g = 0; g < groups; ++g) {
+        float dot = 0.0f;
+        for (int k = g * w.group_size; k < (g + 1) * w.group_size; ++k) {
+          const uint32_t word = reinterpret_cast<const uint32_t*>(rows)[k / per_word];
+          dot += x_row[k] * static_cast<float>((word >> (w.bits * (k % per_word))) & ((1u << w.bits) - 1));
+        }
+        totals[0] += scale[g] * dot;
+      }
+#endif
+      for (int r = 0; r < count; ++r) {
+        const float* bias = biases + static_cast<size_t>(j + r) * groups;
+        float total = totals[r];
+        for (int g = 0; g < groups; ++g) total += bias[g] * x_sums[g];
+        out_row[j + r] += total;
+      }
+      j += count;
+    }
+  }
+}
+
+// The quantized matrix at weights[at..at+3) (packed, scales, biases), checked against (rows, columns).
+QuantizedMatrix quantized_matrix(const std::vector<OptionalArray>& weights, size_t at, int rows, int columns,
+                                 int group_size, int bits, const char* name) {
+  const auto fail = [&](const std::string& what) {
+    throw std::invalid_argument(std::string("quantized_step: ") + name + ": " + what);
+  };
+  if (!weights[at] || !weights[at + 1] || !weights[at + 2]) fail("expected its packed values, scales and biases");
+  const mx::array &packed = *weights[at], &scales = *weights[at + 1], &biases = *weights[at + 2];
+  if (packed.dtype() != mx::uint32 || packed.shape() != mx::Shape{rows, columns * bits / 32}) {
+    fail("expected packed values uint32 of shape " + shape_text({rows, columns * bits / 32}) + ", got " +
+         shape_text(packed.shape()));
+  }
+  const mx::Shape group_shape{rows, columns / group_size};
+  for (const mx::array* array : {&scales, &biases}) {
+    if (array->dtype() != mx::float32 || array->shape() != group_shape) {
+      fail("expected float32 scales and biases of shape " + shape_text(group_shape) + ", got " +
+           shape_text(array->shape()));
+    }
+  }
+  return {evaluated(packed), evaluated(scales), evaluated(biases), group_size, bits};
+}
+
+// A bias (G H,) where given, else none.
+std::optional<mx::array> bias_of(const OptionalArray& bias, int gates, const char* name) {
+  if (!bias) return std::nullopt;
+  if (bias->dtype() != mx::float32 || bias->shape() != mx::Shape{gates}) {
+    throw std::invalid_argument(std::string("quantized_step: ") + name + ": expected float32 of shape (" +
+                                std::to_string(gates) + ",), got " + shape_text(bias->shape()));
+  }
+  return evaluated(*bias);
+}
+
+// One step of `kind` ("lstm", "gru", "rnn_tanh", "rnn_relu") for a cell or a stack of L layers: x (B, D);
+// states as lstm_step's ((B, H) or (L, B, H)); weights, 8 per layer: w_ih's packed values, scales and
+// biases, w_hh's, then b_ih and b_hh (or None).  Returns the last layer's output (B, H) and the new states.
+std::vector<mx::array> quantized_step(const std::string& kind, const mx::array& x, const std::vector<mx::array>& states,
+                                      const std::vector<OptionalArray>& weights, int group_size, int bits) {
+  const auto fail = [](const std::string& what) { throw std::invalid_argument("quantized_step: " + what); };
+  const int gate_blocks = kind == "lstm" ? 4 : kind == "gru" ? 3 : (kind == "rnn_tanh" || kind == "rnn_relu") ? 1 : 0;
+  if (gate_blocks == 0) fail("kind: expected 'lstm', 'gru', 'rnn_tanh' or 'rnn_relu', got '" + kind + "'");
+  if (bits != 4 && bits != 8) fail("bits: expected 4 or 8, got " + std::to_string(bits));
+  if (group_size < 16 || group_size % 16 != 0) {
+    fail("group_size: expected a multiple of 16, got " + std::to_string(group_size));
+  }
+  if (states.size() != (kind == "lstm" ? 2u : 1u)) fail("expected " + std::string(kind == "lstm" ? "2 states" : "1 state"));
+  const mx::array& h = states[0];
+  if (x.dtype() != mx::float32 || x.ndim() != 2) fail("expected x (B, D) float32");
+  if (h.ndim() != 2 && h.ndim() != 3) fail("expected states (B, H) or (L, B, H)");
+  for (const auto& state : states) {
+    if (state.dtype() != mx::float32 || state.shape() != h.shape()) fail("expected float32 states of one shape");
+  }
+  const bool stacked = h.ndim() == 3;
+  const int layers = stacked ? h.shape(0) : 1, batch = h.shape(-2), hidden = h.shape(-1), gates = gate_blocks * hidden;
+  if (x.shape(0) != batch) fail("x and the states differ in batch size");
+  if (weights.size() != 8 * static_cast<size_t>(layers)) fail("expected 8 weights for each layer");
+  std::vector<mx::array> given, finals;
+  for (const auto& state : states) {
+    given.push_back(evaluated(state));
+    finals.push_back(mx::array(mx::allocator::malloc(sizeof(float) * state.size()), state.shape(), mx::float32));
+  }
+  const size_t layer_floats = static_cast<size_t>(batch) * hidden;
+  mx::array rows = evaluated(x);
+  for (int layer = 0; layer < layers; ++layer) {
+    const size_t at = 8 * static_cast<size_t>(layer);
+    const int input_size = rows.shape(1);
+    if (input_size % group_size != 0 || hidden % group_size != 0) {
+      fail("the matrices' columns (" + std::to_string(input_size) + ", " + std::to_string(hidden) +
+           ") must be multiples of group_size " + std::to_string(group_size));
+    }
+    const QuantizedMatrix w_ih = quantized_matrix(weights, at, gates, input_size, group_size, bits, "w_ih");
+    const QuantizedMatrix w_hh = quantized_matrix(weights, at + 3, gates, hidden, group_size, bits, "w_hh");
+    const auto b_ih = bias_of(weights[at + 6], gates, "b_ih"), b_hh = bias_of(weights[at + 7], gates, "b_hh");
+    mx::array h_prev = fresh(batch, hidden), output = fresh(batch, hidden);
+    copy_rows(h_prev.data<float>(), given[0].data<float>() + layer * layer_floats, batch, hidden);
+    // input side: b_ih (+ b_hh, but not the GRU's, which stays inside r * (...)) + x W_ih^T
+    std::vector<float> input(static_cast<size_t>(batch) * gates, 0.0f), hidden_side(input.size(), 0.0f);
+    for (int r = 0; r < batch; ++r) {
+      for (int j = 0; j < gates; ++j) {
+        input[static_cast<size_t>(r) * gates + j] = (b_ih ? b_ih->data<float>()[j] : 0.0f) +
+                                                    (b_hh && kind != "gru" ? b_hh->data<float>()[j] : 0.0f);
+        if (b_hh && kind == "gru") hidden_side[static_cast<size_t>(r) * gates + j] = b_hh->data<float>()[j];
+      }
+    }
+    add_quantized_product(rows, w_ih, input.data());
+    float* out = output.data<float>();
+    float* h_new = finals[0].data<float>() + layer * layer_floats;
+    if (kind == "gru") {
+      add_quantized_product(h_prev, w_hh, hidden_side.data());
+      for (int r = 0; r < batch; ++r) {
+        gru_row(hidden, input.data() + static_cast<size_t>(r) * gates, hidden_side.data() + static_cast<size_t>(r) * gates,
+                h_prev.data<float>() + static_cast<size_t>(r) * hidden, out + static_cast<size_t>(r) * hidden, nullptr);
+      }
+      copy_rows(h_new, out, batch, hidden);
+    } else {
+      add_quantized_product(h_prev, w_hh, input.data());  // the recurrent side joins the input side
+      if (kind == "lstm") {
+        float* c = finals[1].data<float>() + layer * layer_floats;
+        copy_rows(c, given[1].data<float>() + layer * layer_floats, batch, hidden);
+        for (int r = 0; r < batch; ++r) {
+          lstm_row(hidden, input.data() + static_cast<size_t>(r) * gates, c + static_cast<size_t>(r) * hidden,
+                   h_prev.data<float>() + static_cast<size_t>(r) * hidden, out + static_cast<size_t>(r) * hidden, nullptr);
+        }
+      } else {
+        rnn_rows(layer_floats, kind == "rnn_relu", input.data(), h_prev.data<float>(), out);
+      }
+      copy_rows(h_new, out, batch, hidden);
+    }
+    rows = output;
+  }
+  finals.insert(finals.begin(), rows);
+  return finals;
+}
+
 }  // namespace
 
 void seqlib_cpu::register_recurrent(nb::module_& m) {
@@ -1207,6 +1443,7 @@ void seqlib_cpu::register_recurrent(nb::module_& m) {
   m.def("lstm_step", &lstm_step, "x"_a, "h0"_a, "c0"_a, "weights"_a);
   m.def("gru_step", &gru_step, "x"_a, "h0"_a, "weights"_a);
   m.def("rnn_step", &rnn_step, "x"_a, "h0"_a, "weights"_a, "relu"_a);
+  m.def("quantized_step", &quantized_step, "kind"_a, "x"_a, "states"_a, "weights"_a, "group_size"_a, "bits"_a);
   m.def("rnn_sequence_backward", &rnn_sequence_backward, "w_hh"_a, "output"_a, "d_output"_a, "d_h_n"_a,
         "batch_sizes"_a, "reverse"_a, "relu"_a);
 }

@@ -107,7 +107,11 @@ class QuantizedRecurrent(nn.Module):
     dequantizes the matrices (one pass over them) and runs the float layer's computation on the
     result, so it computes exactly what the float layer computes with the dequantized weights
     (:meth:`dequantized`), on every path (the C++ primitives, the Metal kernels, MLX ops) and under
-    every transformation.  Inputs, outputs and ``step`` as the float module's.
+    every transformation.  Inputs, outputs and ``step`` as the float module's.  One exception, for
+    speed: a single step outside every transformation on seqlib's C++ primitives (a streaming cell call
+    or ``step``, 4 or 8 bits, ``"affine"``) reads the packed integers directly, never forming the float
+    matrices, which a step at batch 1 spends its time reading; it computes the same sums in another
+    order (within float32 rounding of the dequantized layer's).
 
     Args:
         module: the float layer or cell to quantize (its in-features, ``input_size``, ``hidden_size``
@@ -137,7 +141,25 @@ class QuantizedRecurrent(nn.Module):
         float_module = copy.copy(module)  # runs the computation; kept outside the parameter tree
         float_module.eval()
         object.__setattr__(self, "_float_module", float_module)
+        object.__setattr__(float_module, "_quantized_from", self)  # its single steps read the packed weights
         self.freeze()
+
+    def native_step_weights(self, suffixes) -> list | None:
+        """What seqlib.native's ``quantized_step`` reads for the directions ``suffixes`` (a cell: ``[""]``):
+        per direction ``weight_ih``'s packed values, scales and biases, ``weight_hh``'s, then ``bias_ih``
+        and ``bias_hh`` (or None); None where it cannot read this quantization (it reads ``"affine"``
+        with 4 or 8 bits in groups of a multiple of 16 columns, float32 scales), and a single step
+        dequantizes the matrices as every other call does."""
+        if self.quantization_mode != "affine" or self.bits not in (4, 8) or self.group_size % 16:
+            return None
+        weights = []
+        for suffix in suffixes:
+            for name in ("weight_ih" + suffix, "weight_hh" + suffix):
+                if self[name + "_scales"].dtype != mx.float32:
+                    return None
+                weights += [self[name], self[name + "_scales"], self[name + "_biases"]]
+            weights += [self.get("bias_ih" + suffix), self.get("bias_hh" + suffix)]
+        return weights
 
     def dequantized(self) -> dict:
         """The float parameters the calls compute with: the matrices dequantized, the biases as stored."""

@@ -47,6 +47,13 @@ class Recurrence:
         """
         if getattr(self, "proj_size", 0) or path_for(rows.dtype) != "native":
             return None
+        quantized = getattr(self, "_quantized_from", None)  # the QuantizedRecurrent this float layer runs for
+        quantized_weights = quantized.native_step_weights(suffixes) if quantized is not None else None
+        if quantized_weights is not None:  # read the packed integers, never the dequantized matrices
+            if is_traced(rows, *states, *(weight for weight in quantized_weights if weight is not None)):
+                return None
+            return self._native_quantized_step(native.extension(), rows, states, quantized_weights,
+                                               quantized.group_size, quantized.bits)  # fmt: skip
         names = ("weight_ih", "weight_hh", "bias_ih", "bias_hh") if self.bias else ("weight_ih", "weight_hh")
         weights = []
         for suffix in suffixes:
@@ -79,6 +86,10 @@ class RNNRecurrence(Recurrence):
     def _native_step(self, extension, rows, states, weights):
         return tuple(extension.rnn_step(rows, states[0], weights, self.nonlinearity == "relu"))
 
+    def _native_quantized_step(self, extension, rows, states, weights, group_size, bits):
+        kind = "rnn_relu" if self.nonlinearity == "relu" else "rnn_tanh"
+        return tuple(extension.quantized_step(kind, rows, list(states), weights, group_size, bits))
+
     def _run_direction(self, rows, batch_sizes, states, suffix, reverse):
         stepped = self._step_now(rows, states, [suffix]) if len(batch_sizes) == 1 else None
         if stepped is not None:
@@ -93,6 +104,9 @@ class LSTMRecurrence(Recurrence):
 
     def _native_step(self, extension, rows, states, weights):
         return tuple(extension.lstm_step(rows, states[0], states[1], weights))
+
+    def _native_quantized_step(self, extension, rows, states, weights, group_size, bits):
+        return tuple(extension.quantized_step("lstm", rows, list(states), weights, group_size, bits))
 
     def _run_direction(self, rows, batch_sizes, states, suffix, reverse):
         stepped = self._step_now(rows, states, [suffix]) if len(batch_sizes) == 1 else None
@@ -109,6 +123,9 @@ class GRURecurrence(Recurrence):
 
     def _native_step(self, extension, rows, states, weights):
         return tuple(extension.gru_step(rows, states[0], weights))
+
+    def _native_quantized_step(self, extension, rows, states, weights, group_size, bits):
+        return tuple(extension.quantized_step("gru", rows, list(states), weights, group_size, bits))
 
     def _run_direction(self, rows, batch_sizes, states, suffix, reverse):
         stepped = self._step_now(rows, states, [suffix]) if len(batch_sizes) == 1 else None
