@@ -378,14 +378,20 @@ def print_streaming(widths=STREAM_WIDTHS, repeats: int = 7, machine=None) -> lis
             case_rows = run_cases([streaming_case(kind, hidden_size)], repeats=repeats, warmup=1, show=False,
                                   machine=machine)
             rows += case_rows
-            times = {row["implementation"]: 1e3 * row["median_ms"] / STREAM_STEPS for row in case_rows}
-            line = f"  {case_rows[0]['case']:<62}" + "".join(f"  {name} {time:7.1f}" for name, time in times.items())
-            if "torch (1 thread)" in times:
-                line += f"   seqlib/torch x{times['seqlib'] / times['torch (1 thread)']:.2f}"
-            if case_rows[0]["vs_limit"] is not None:
-                line += f"   x{case_rows[0]['vs_limit']:.1f} limit"
-            print(line)
+            print(_streaming_line(f"  {case_rows[0]['case']:<62}", case_rows,
+                                  [("seqlib/torch", "seqlib", "torch (1 thread)")]))  # fmt: skip
     return rows
+
+
+def _streaming_line(label: str, case_rows: list[dict], ratios: list[tuple[str, str, str]]) -> str:
+    """One line of a streaming table: each implementation's microseconds per step, each ratio ``(text,
+    numerator, denominator)`` whose two implementations were timed, and the first's time over its limit."""
+    times = {row["implementation"]: 1e3 * row["median_ms"] / STREAM_STEPS for row in case_rows}
+    line = label + "".join(f"  {name} {time:7.1f}" for name, time in times.items())
+    line += "".join(f"   {text} x{times[a] / times[b]:.2f}" for text, a, b in ratios if a in times and b in times)
+    if case_rows[0]["vs_limit"] is not None:
+        line += f"   x{case_rows[0]['vs_limit']:.1f} limit"
+    return line
 
 
 def _torch_int8_cell(cell_state_dict, hidden_size: int):
@@ -445,14 +451,10 @@ def print_quantized_streaming(widths=STREAM_WIDTHS, repeats: int = 7, machine=No
         case_rows = run_cases([quantized_streaming_case(hidden_size)], repeats=repeats, warmup=1, show=False,
                               machine=machine)  # fmt: skip
         rows += case_rows
-        times = {row["implementation"]: 1e3 * row["median_ms"] / STREAM_STEPS for row in case_rows}
-        line = f"  H={hidden_size:<5}" + "".join(f"  {name} {time:7.1f}" for name, time in times.items())
-        line += f"   {QUANTIZED_BITS}-bit / float x{times[f'seqlib {QUANTIZED_BITS}-bit'] / times['seqlib float']:.2f}"
-        if "torch int8 (1 thread)" in times:
-            line += f"   / torch int8 x{times[f'seqlib {QUANTIZED_BITS}-bit'] / times['torch int8 (1 thread)']:.2f}"
-        if case_rows[0]["vs_limit"] is not None:
-            line += f"   x{case_rows[0]['vs_limit']:.1f} limit"
-        print(line)
+        ours = f"seqlib {QUANTIZED_BITS}-bit"
+        ratios = [(f"{QUANTIZED_BITS}-bit / float", ours, "seqlib float"),
+                  ("/ torch int8", ours, "torch int8 (1 thread)")]
+        print(_streaming_line(f"  H={hidden_size:<5}", case_rows, ratios))
     return rows
 
 
