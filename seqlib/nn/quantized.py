@@ -174,7 +174,14 @@ class QuantizedRecurrent(nn.Module):
         return weights
 
     def _float(self):
-        self._float_module.update(self.dequantized())
+        """The float module on the dequantized weights: built once per set of stored arrays (MLX computes the
+        dequantization only where a call reads the matrices; a native single step never does), again when
+        an array was replaced (``update``, ``load_weights``)."""
+        stored = [value for value in self.values() if isinstance(value, mx.array)]  # its arrays, all at the top
+        built_from = getattr(self, "_dequantized_from", None)
+        if built_from is None or len(built_from) != len(stored) or any(a is not b for a, b in zip(built_from, stored)):
+            self._float_module.update(self.dequantized())
+            object.__setattr__(self, "_dequantized_from", stored)  # held, so that no id is reused meanwhile
         return self._float_module
 
     def __call__(self, *args, **kwargs):
