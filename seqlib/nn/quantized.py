@@ -179,7 +179,9 @@ class QuantizedRecurrent(nn.Module):
         an array was replaced (``update``, ``load_weights``)."""
         stored = [value for value in self.values() if isinstance(value, mx.array)]  # its arrays, all at the top
         built_from = getattr(self, "_dequantized_from", None)
-        if built_from is None or len(built_from) != len(stored) or any(a is not b for a, b in zip(built_from, stored)):
+        unchanged = built_from is not None and len(built_from) == len(stored) and all(
+            a is b for a, b in zip(built_from, stored, strict=True))  # fmt: skip
+        if not unchanged:
             self._float_module.update(self.dequantized())
             object.__setattr__(self, "_dequantized_from", stored)  # held, so that no id is reused meanwhile
         return self._float_module
