@@ -87,11 +87,11 @@ def test_forward_saved_arrays_and_backward_equal_the_ops_path(lengths, hidden_si
 
 
 @linux_only
-@pytest.mark.parametrize("hidden_size", [8, 20, 64, 130])
+@pytest.mark.parametrize("hidden_size", [8, 20, 64, 130, 240])
 @pytest.mark.parametrize("reverse", [False, True])
 def test_long_sequences_of_many_rows_equal_the_ops_path(hidden_size, reverse):
     """Long enough and wide enough for every form of the forward loop: on AVX2 and AVX-512 the packed one (whole
-    row tiles and partial ones, whole 8-unit blocks and a partial one; at H = 130 a step's product passes 1M
+    row tiles and partial ones, whole 8-unit blocks and a partial one; at H = 240 a step's product passes 4M
     multiply-adds and a team of threads shares the blocks), and rows finishing (or, reversed, joining) at
     different steps."""
     lengths = [12] * 9 + [9] * 5 + [5] * 4 + [1]  # 19 sequences
@@ -134,11 +134,11 @@ def test_gru_and_rnn_outputs_and_gradients_equal_the_ops_path(lengths, hidden_si
 
 
 @linux_only
-@pytest.mark.parametrize("hidden_size", [8, 20, 64, 130])
+@pytest.mark.parametrize("hidden_size", [8, 20, 64, 130, 240])
 @pytest.mark.parametrize("reverse", [False, True])
 def test_long_gru_sequences_of_many_rows_equal_the_ops_path(hidden_size, reverse):
     """As for the LSTM: every form of the GRU's forward loop, the OpenBLAS one for small steps and the packed
-    one on a team of threads at H = 130, tiles and blocks whole and partial."""
+    one on a team of threads at H = 240, tiles and blocks whole and partial."""
     lengths = [12] * 9 + [9] * 5 + [5] * 4 + [1]  # 19 sequences
     check_gru_or_rnn_against_the_ops_path(lengths, hidden_size, reverse, "GRU", seed=hidden_size)
 

@@ -452,8 +452,10 @@ void run_team(int threads, Body body) {
 }
 
 // How many threads a packed loop shares its blocks among: one where a step's product is too small to repay
-// a meeting per step (measured: B = 1 or H = 64), else as many as the process may use and there are blocks.
-constexpr int64_t kTeamMinMultiplyAdds = 1 << 20;
+// a meeting per step, else as many as the process may use and there are blocks.  Measured on a 2-core
+// Zen 3 VM: (B, H) = (64, 128), 4M multiply-adds a step, ran 3x faster on two threads; (16, 128), 1M, twice
+// as slow (a meeting costs microseconds, more when a neighbour holds the other core).
+constexpr int64_t kTeamMinMultiplyAdds = 1 << 22;
 int team_size(int batch, int hidden, int blocks) {
   if (int64_t{batch} * 4 * hidden * hidden < kTeamMinMultiplyAdds) return 1;
   return std::max(1, std::min(seqlib_cpu::thread_budget(), blocks / 2));
