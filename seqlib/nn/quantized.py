@@ -103,10 +103,10 @@ class QuantizedRecurrent(nn.Module):
     and the cells (and so by ``mlx.nn.quantize``), the counterpart of torch's dynamically quantized
     LSTM: every weight matrix (``weight_ih*``, ``weight_hh*``, ``weight_hr*``) is stored as
     ``mx.quantize`` gives it, ``{name}`` (packed), ``{name}_scales`` and ``{name}_biases``, so its
-    memory is about ``bits / 32`` of the float layer's; the bias vectors stay as they were.  A call
-    dequantizes the matrices (one pass over them) and runs the float layer's computation on the
-    result, so it computes exactly what the float layer computes with the dequantized weights
-    (:meth:`dequantized`), on every path (the C++ primitives, the Metal kernels, MLX ops) and under
+    stored parameters take about ``bits / 32`` of the float layer's; the bias vectors stay as they were.
+    A call runs the float layer's computation on the dequantized matrices (dequantized by the first
+    call that reads them and kept, with that float memory, until the stored arrays are replaced), so
+    it computes exactly what the float layer computes with the dequantized weights (:meth:`dequantized`), on every path (the C++ primitives, the Metal kernels, MLX ops) and under
     every transformation.  Inputs, outputs and ``step`` as the float module's.  One exception, for
     speed: a single step outside every transformation on seqlib's C++ primitives (a streaming cell call
     or ``step``, 4 or 8 bits, ``"affine"``) reads the packed integers directly, never forming the float
