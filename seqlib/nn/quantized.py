@@ -107,7 +107,8 @@ class QuantizedRecurrent(nn.Module):
     A call runs the float layer's computation on the dequantized matrices (dequantized by the first
     call that reads them and kept, with that float memory, until the stored arrays are replaced), so
     it computes exactly what the float layer computes with the dequantized weights (:meth:`dequantized`),
-    on every path (the C++ primitives, the Metal kernels, MLX ops) and under every transformation.  Inputs, outputs and ``step`` as the float module's.  One exception, for
+    on every path (the C++ primitives, the Metal kernels, MLX ops) and under every transformation.
+    Inputs, outputs and ``step`` as the float module's.  One exception, for
     speed: a single step outside every transformation on seqlib's C++ primitives (a streaming cell call
     or ``step``, 4 or 8 bits, ``"affine"``) reads the packed integers directly, never forming the float
     matrices, which a step at batch 1 spends its time reading; it computes the same sums in another
