@@ -59,10 +59,12 @@ def _probe_traced(arrays) -> bool:
     return True
 
 
-def is_traced(*arrays: mx.array) -> bool:
+def is_traced(*arrays: mx.array | None) -> bool:
     """Whether any of ``arrays`` is being traced by an MLX transformation (``mx.grad``, ``mx.vjp``,
     ``mx.vmap``, ``mx.compile``, ``mx.export_function``), so that a gradient may be taken through
-    what is computed from it and its values are not known.  Evaluates nothing."""
+    what is computed from it and its values are not known.  None entries (an optional argument
+    left out) are skipped.  Evaluates nothing."""
+    arrays = tuple(array for array in arrays if array is not None)
     extension = native.module()
     if extension is None:
         return _probe_traced(arrays)

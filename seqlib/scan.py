@@ -5,7 +5,10 @@ one) all end here.  The structure is the one fast implementations share
 (Appleyard et al. 2016, cuDNN):
 
 1. The input side of every gate, for every time step, is **one matmul** done by
-   the caller: ``x_gates = x @ W_ih.T + b`` with x all ``N`` rows of the sequence.
+   the caller: ``x_gates = x @ W_ih.T`` with x all ``N`` rows of the sequence, its
+   bias ``b`` passed beside it (``input_bias``): the C++ loops add it as they read
+   each row, which saves a pass over the (N, G H) array (the other paths add it
+   first).
 2. Each step then needs only the recurrent matmul ``h @ W_hh.T`` and the
    **fused pointwise gate math** of :mod:`seqlib.pointwise` (one compiled
    function, or one fused kernel).
@@ -107,6 +110,16 @@ def _saved(per_kind: list[list]) -> tuple[mx.array, ...]:
     sibling list of length ~T, and the graph would grow as T squared.
     """
     return tuple(_in_time_order(arrays) for arrays in per_kind)
+
+
+def _check_input_bias(input_bias, width: int, dtype) -> None:
+    if input_bias is not None:
+        check_float_array(input_bias, "input_bias", (width,), dtype)
+
+
+def _biased(x_gates, input_bias):
+    """x_gates with input_bias added to every row, for the paths that do not add it in their loop."""
+    return x_gates if input_bias is None else x_gates + input_bias
 
 
 def _use_whole_sequence_kernel(use_kernels: bool, batch: int, hidden_size: int) -> bool:
@@ -212,7 +225,7 @@ def _lstm_sequence_function(batch_sizes: tuple[int, ...], reverse: bool, project
     return forward
 
 
-def _check_lstm_sequence(x_gates, w_hh, h0, c0, batch_sizes, w_hr) -> tuple[int, ...]:
+def _check_lstm_sequence(x_gates, w_hh, h0, c0, batch_sizes, w_hr, input_bias) -> tuple[int, ...]:
     """Check lstm_sequence's arguments against each other; returns the batch sizes as a tuple."""
     batch, hidden_size = check_state("c0", c0)
     dtype = c0.dtype
@@ -223,25 +236,29 @@ def _check_lstm_sequence(x_gates, w_hh, h0, c0, batch_sizes, w_hr) -> tuple[int,
         check_float_array(w_hr, "w_hr", (h0.shape[1], hidden_size), dtype)
     check_float_array(x_gates, "x_gates", (None, 4 * hidden_size), dtype)
     check_float_array(w_hh, "w_hh", (4 * hidden_size, h0.shape[1]), dtype)
+    _check_input_bias(input_bias, 4 * hidden_size, dtype)
     return check_batch_sizes(batch_sizes, x_gates.shape[0], batch, rows_name="x_gates")
 
 
-def lstm_sequence(x_gates, w_hh, h0, c0, batch_sizes, reverse=False, w_hr=None):
+def lstm_sequence(x_gates, w_hh, h0, c0, batch_sizes, reverse=False, w_hr=None, *, input_bias=None):
     """Run an LSTM over packed rows; returns ``output (N, P), h_n (B, P), c_n (B, H)``.
 
-    x_gates: (N, 4H) ``x @ W_ih.T + b_ih + b_hh`` for all rows; w_hh: (4H, P);
-    h0: (B, P), c0: (B, H); batch_sizes: rows per step; w_hr: (P, H) for a
-    projected LSTM (``proj_size = P``), else None.
+    x_gates: (N, 4H) ``x @ W_ih.T`` for all rows, plus ``b_ih + b_hh`` unless they are
+    passed as input_bias: (4H,), added to every row; w_hh: (4H, P); h0: (B, P),
+    c0: (B, H); batch_sizes: rows per step; w_hr: (P, H) for a projected LSTM
+    (``proj_size = P``), else None.
     """
-    batch_sizes = _check_lstm_sequence(x_gates, w_hh, h0, c0, batch_sizes, w_hr)
+    batch_sizes = _check_lstm_sequence(x_gates, w_hh, h0, c0, batch_sizes, w_hr, input_bias)
     path, reverse = path_for(x_gates.dtype), bool(reverse)
     projection = () if w_hr is None else (w_hr,)
+    if path == "native" and w_hr is None:  # the primitive saves what its own vjp needs where traced
+        traced = is_traced(x_gates, w_hh, h0, c0, input_bias)
+        return tuple(native.extension().lstm_sequence(x_gates, w_hh, h0, c0, list(batch_sizes), reverse, traced,
+                                                      input_bias)[:3])
+    x_gates = _biased(x_gates, input_bias)
     if path == "plain":
         return _lstm_inference(x_gates, w_hh, h0, c0, _steps(batch_sizes, reverse), w_hr, plain=True)
     traced = is_traced(x_gates, w_hh, h0, c0, *projection)
-    if path == "native" and w_hr is None:  # the primitive saves what its own vjp needs where traced
-        extension = native.extension()
-        return tuple(extension.lstm_sequence(x_gates, w_hh, h0, c0, list(batch_sizes), reverse, traced)[:3])
     if path != "kernels" and not traced:
         return _lstm_inference(x_gates, w_hh, h0, c0, _steps(batch_sizes, reverse), w_hr)
     function = _lstm_sequence_function(batch_sizes, reverse, w_hr is not None, path == "kernels")
@@ -292,24 +309,28 @@ def _gru_sequence_function(batch_sizes: tuple[int, ...], reverse: bool, use_kern
     return forward
 
 
-def gru_sequence(x_gates, w_hh, b_hh, h0, batch_sizes, reverse=False):
+def gru_sequence(x_gates, w_hh, b_hh, h0, batch_sizes, reverse=False, *, input_bias=None):
     """Run a GRU over packed rows; returns ``output (N, H), h_n (B, H)``.
 
-    x_gates: (N, 3H) ``x @ W_ih.T + b_ih``; w_hh: (3H, H); b_hh: (3H,) (zeros
-    for a layer without bias); h0: (B, H).
+    x_gates: (N, 3H) ``x @ W_ih.T``, plus ``b_ih`` unless it is passed as
+    input_bias: (3H,), added to every row; w_hh: (3H, H); b_hh: (3H,) (zeros for a
+    layer without bias); h0: (B, H).
     """
     batch, hidden_size = check_state("h0", h0)
     check_float_array(x_gates, "x_gates", (None, 3 * hidden_size), h0.dtype)
     check_float_array(w_hh, "w_hh", (3 * hidden_size, hidden_size), h0.dtype)
     check_float_array(b_hh, "b_hh", (3 * hidden_size,), h0.dtype)
+    _check_input_bias(input_bias, 3 * hidden_size, h0.dtype)
     batch_sizes = check_batch_sizes(batch_sizes, x_gates.shape[0], batch, rows_name="x_gates")
     path, reverse = path_for(h0.dtype), bool(reverse)
+    if path == "native":
+        traced = is_traced(x_gates, w_hh, b_hh, h0, input_bias)
+        return tuple(native.extension().gru_sequence(x_gates, w_hh, b_hh, h0, list(batch_sizes), reverse, traced,
+                                                     input_bias)[:2])
+    x_gates = _biased(x_gates, input_bias)
     if path == "plain":
         return _gru_inference(x_gates, w_hh, b_hh, h0, _steps(batch_sizes, reverse), plain=True)
     traced = is_traced(x_gates, w_hh, b_hh, h0)
-    if path == "native":
-        extension = native.extension()
-        return tuple(extension.gru_sequence(x_gates, w_hh, b_hh, h0, list(batch_sizes), reverse, traced)[:2])
     if path != "kernels" and not traced:
         return _gru_inference(x_gates, w_hh, b_hh, h0, _steps(batch_sizes, reverse))
     function = _gru_sequence_function(batch_sizes, reverse, path == "kernels")
@@ -352,23 +373,27 @@ def _rnn_sequence_function(batch_sizes: tuple[int, ...], reverse: bool, nonlinea
     return forward
 
 
-def rnn_sequence(x_gates, w_hh, h0, batch_sizes, reverse=False, nonlinearity="tanh"):
+def rnn_sequence(x_gates, w_hh, h0, batch_sizes, reverse=False, nonlinearity="tanh", *, input_bias=None):
     """Run an Elman RNN over packed rows; returns ``output (N, H), h_n (B, H)``.
 
-    x_gates: (N, H) ``x @ W_ih.T + b_ih + b_hh``; w_hh: (H, H); h0: (B, H).
+    x_gates: (N, H) ``x @ W_ih.T``, plus ``b_ih + b_hh`` unless they are passed as
+    input_bias: (H,), added to every row; w_hh: (H, H); h0: (B, H).
     """
     check_choice("nonlinearity", nonlinearity, kernels.NONLINEARITIES)
     batch, hidden_size = check_state("h0", h0)
     check_float_array(x_gates, "x_gates", (None, hidden_size), h0.dtype)
     check_float_array(w_hh, "w_hh", (hidden_size, hidden_size), h0.dtype)
+    _check_input_bias(input_bias, hidden_size, h0.dtype)
     batch_sizes = check_batch_sizes(batch_sizes, x_gates.shape[0], batch, rows_name="x_gates")
     path, reverse = path_for(h0.dtype), bool(reverse)
+    if path == "native":
+        traced = is_traced(x_gates, w_hh, h0, input_bias)
+        return tuple(native.extension().rnn_sequence(x_gates, w_hh, h0, list(batch_sizes), reverse,
+                                                     nonlinearity == "relu", traced, input_bias)[:2])
+    x_gates = _biased(x_gates, input_bias)
     if path == "plain":
         return _rnn_inference(x_gates, w_hh, h0, _steps(batch_sizes, reverse), nonlinearity, plain=True)
     traced = is_traced(x_gates, w_hh, h0)
-    if path == "native":
-        extension, relu = native.extension(), nonlinearity == "relu"
-        return tuple(extension.rnn_sequence(x_gates, w_hh, h0, list(batch_sizes), reverse, relu, traced)[:2])
     if path != "kernels" and not traced:
         return _rnn_inference(x_gates, w_hh, h0, _steps(batch_sizes, reverse), nonlinearity)
     function = _rnn_sequence_function(batch_sizes, reverse, nonlinearity, path == "kernels")

@@ -86,6 +86,40 @@ def test_gru_and_rnn_inference_equal_the_training_path(batch_sizes, reverse):
             np.testing.assert_allclose(np.array(ours), np.array(theirs), **TOLERANCE)
 
 
+@pytest.mark.parametrize("backend", ["ops", "plain", "emulate"])
+@pytest.mark.parametrize("kind", ["LSTM", "GRU", "RNN"])
+def test_an_input_bias_passed_apart_equals_one_added_first(backend, kind):
+    """input_bias (the layers' b_ih (+ b_hh), passed beside x W_ih^T) gives what adding it to x_gates first gives,
+    on every path (the "ops" backend runs the C++ primitives where they are built, "emulate" the Metal kernels),
+    in inference and under a gradient, and its gradient is every row's gradient of x_gates."""
+    batch_sizes, hidden_size = (3, 3, 2, 1), 6
+    width = {"LSTM": 4, "GRU": 3, "RNN": 1}[kind] * hidden_size
+    product, bias = random((sum(batch_sizes), width), 1), random((width,), 2)
+    w_hh, h0 = random((width, hidden_size), 3), random((3, hidden_size), 4)
+    if kind == "LSTM":
+        states, function = (h0, random((3, hidden_size), 5)), scan.lstm_sequence
+    elif kind == "GRU":
+        states, function = (random((width,), 6), h0), scan.gru_sequence
+    else:
+        states, function = (h0,), scan.rnn_sequence
+
+    def run(x_gates, input_bias=None):
+        return function(x_gates, w_hh, *states, batch_sizes, True, input_bias=input_bias)
+
+    def loss(x_gates, input_bias=None):
+        return sum((output * output).sum() for output in run(x_gates, input_bias))
+
+    with kernels.use_backend(backend):
+        for ours, theirs in zip(run(product, bias), run(product + bias), strict=True):
+            np.testing.assert_allclose(np.array(ours), np.array(theirs), **TOLERANCE)
+        d_product, d_bias = mx.grad(loss, argnums=(0, 1))(product, bias)
+        d_x_gates = mx.grad(loss)(product + bias)
+    np.testing.assert_allclose(np.array(d_product), np.array(d_x_gates), **TOLERANCE)
+    np.testing.assert_allclose(np.array(d_bias), np.array(d_x_gates.sum(axis=0)), **TOLERANCE)
+    with pytest.raises(ValueError, match="input_bias"):
+        run(product, bias[:-1])
+
+
 def test_the_training_path_has_a_fixed_number_of_outputs_whatever_the_length():
     # One output per step and kind made building the graph grow as T squared: keep them packed.
     for steps in (1, 50):

@@ -71,15 +71,17 @@ class Recurrence:
 
         return QuantizedRecurrent(self, group_size, bits, mode)
 
-    def _input_side(self, rows, suffix: str, fold_hidden_bias: bool) -> mx.array:
-        """``rows @ W_ih.T + b_ih`` (+ ``b_hh`` where it can be folded in) for every row at once."""
-        weight_ih = getattr(self, "weight_ih" + suffix)
+    def _input_side(self, rows, suffix: str, fold_hidden_bias: bool) -> tuple[mx.array, mx.array | None]:
+        """``rows @ W_ih.T`` for every row at once, and the bias to add to each of its rows: ``b_ih``
+        (+ ``b_hh`` where it can be folded in), or None.  The sequence functions of :mod:`seqlib.scan`
+        take the two apart (``input_bias``)."""
+        product = rows @ getattr(self, "weight_ih" + suffix).T
         if not self.bias:
-            return rows @ weight_ih.T
+            return product, None
         bias = getattr(self, "bias_ih" + suffix)
         if fold_hidden_bias:
             bias = bias + getattr(self, "bias_hh" + suffix)
-        return mx.addmm(bias, rows, weight_ih.T)
+        return product, bias
 
 
 class RNNRecurrence(Recurrence):
@@ -94,9 +96,10 @@ class RNNRecurrence(Recurrence):
         stepped = self._step_now(rows, states, [suffix]) if len(batch_sizes) == 1 else None
         if stepped is not None:
             return stepped
-        x_gates = self._input_side(rows, suffix, fold_hidden_bias=True)
+        x_gates, input_bias = self._input_side(rows, suffix, fold_hidden_bias=True)
         weight_hh = getattr(self, "weight_hh" + suffix)
-        return scan.rnn_sequence(x_gates, weight_hh, states[0], batch_sizes, reverse, self.nonlinearity)
+        return scan.rnn_sequence(x_gates, weight_hh, states[0], batch_sizes, reverse, self.nonlinearity,
+                                 input_bias=input_bias)
 
 
 class LSTMRecurrence(Recurrence):
@@ -112,10 +115,11 @@ class LSTMRecurrence(Recurrence):
         stepped = self._step_now(rows, states, [suffix]) if len(batch_sizes) == 1 else None
         if stepped is not None:
             return stepped
-        x_gates = self._input_side(rows, suffix, fold_hidden_bias=True)
+        x_gates, input_bias = self._input_side(rows, suffix, fold_hidden_bias=True)
         weight_hh = getattr(self, "weight_hh" + suffix)
         weight_hr = getattr(self, "weight_hr" + suffix) if self.proj_size else None
-        return scan.lstm_sequence(x_gates, weight_hh, states[0], states[1], batch_sizes, reverse, weight_hr)
+        return scan.lstm_sequence(x_gates, weight_hh, states[0], states[1], batch_sizes, reverse, weight_hr,
+                                  input_bias=input_bias)
 
 
 class GRURecurrence(Recurrence):
@@ -131,7 +135,7 @@ class GRURecurrence(Recurrence):
         stepped = self._step_now(rows, states, [suffix]) if len(batch_sizes) == 1 else None
         if stepped is not None:
             return stepped
-        x_gates = self._input_side(rows, suffix, fold_hidden_bias=False)  # b_hn sits inside r * (...)
+        x_gates, input_bias = self._input_side(rows, suffix, fold_hidden_bias=False)  # b_hn sits inside r * (...)
         weight_hh = getattr(self, "weight_hh" + suffix)
         bias_hh = getattr(self, "bias_hh" + suffix) if self.bias else mx.zeros((weight_hh.shape[0],), rows.dtype)
-        return scan.gru_sequence(x_gates, weight_hh, bias_hh, states[0], batch_sizes, reverse)
+        return scan.gru_sequence(x_gates, weight_hh, bias_hh, states[0], batch_sizes, reverse, input_bias=input_bias)
