@@ -1127,9 +1127,10 @@ std::vector<mx::array> rnn_sequence_backward(const mx::array& w_hh, const mx::ar
 // lstm_step, gru_step and rnn_step run one time step of a cell or of a stack of unidirectional
 // layers at once, outside MLX's graph: they evaluate their arguments, compute, and return
 // evaluated arrays.  A stream of single steps at batch 1 is otherwise dominated by building and
-// scheduling an MLX graph per step.  The arithmetic is the graph path's: the input side as MLX's addmm computes it (the
-// bias, b_ih + b_hh where the layer folds them, copied into the output, then one sgemm adding
-// x W_ih^T), then the same loop as a one-step sequence, so a step gives the same bits.
+// scheduling an MLX graph per step.  The arithmetic is the graph path's: the input side is the
+// bias (b_ih + b_hh where the layer folds them) copied into the output, then one sgemm adding
+// x W_ih^T to it, where the graph path's loop adds the bias to the finished product (the same bits
+// wherever OpenBLAS takes the depth in one block), then the same loop as a one-step sequence.
 
 using OptionalArray = std::optional<mx::array>;
 
