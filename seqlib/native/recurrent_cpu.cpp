@@ -89,7 +89,8 @@ inline float biased(const float* x, const float* bias, int k) { return bias != n
 // Rows of x_gates plus the bias (where there is one) into pre (rows, width).
 inline void biased_rows(float* pre, const float* x, const float* bias, int rows, int width) {
   for (int r = 0; r < rows; ++r) {
-    for (int k = 0; k < width; ++k) pre[static_cast<size_t>(r) * width + k] = biased(x + static_cast<size_t>(r) * width, bias, k);
+    const size_t row = static_cast<size_t>(r) * width;
+    for (int k = 0; k < width; ++k) pre[row + k] = biased(x + row, bias, k);
   }
 }
 
@@ -250,10 +251,11 @@ constexpr int kRowsPerTile = 6;
 #endif
 constexpr int kPackedMinSteps = 4;
 
-// Packed weights on a 64-byte boundary: a tile's vector loads then never straddle two cache lines.
-class PackedWeights {
+// count zeroed floats on a 64-byte boundary (the packed weights, the tiles' products): a tile's vector loads
+// then never straddle two cache lines.
+class AlignedFloats {
  public:
-  explicit PackedWeights(size_t count) : storage_(count + 16, 0.0f) {
+  explicit AlignedFloats(size_t count) : storage_(count + 16, 0.0f) {
     const auto address = reinterpret_cast<uintptr_t>(storage_.data());
     data_ = storage_.data() + ((64 - address % 64) % 64) / sizeof(float);
   }
@@ -267,9 +269,9 @@ class PackedWeights {
 
 // w_hh (G H, H), G = 4 (LSTM) or 3 (GRU) -> packed (blocks, H, 32): packed[b][k][g * 8 + u] =
 // w_hh[g * H + 8b + u][k] for the G gates; zero past H and in the GRU's unused fourth slot.
-PackedWeights pack_gate_weights(const float* w_hh, int hidden, int gate_count) {
+AlignedFloats pack_gate_weights(const float* w_hh, int hidden, int gate_count) {
   const int blocks = (hidden + kUnits - 1) / kUnits;
-  PackedWeights packed(static_cast<size_t>(blocks) * hidden * kTile);
+  AlignedFloats packed(static_cast<size_t>(blocks) * hidden * kTile);
   for (int b = 0; b < blocks; ++b) {
     for (int g = 0; g < gate_count; ++g) {
       for (int u = 0; u < kUnits && b * kUnits + u < hidden; ++u) {
@@ -284,9 +286,9 @@ PackedWeights pack_gate_weights(const float* w_hh, int hidden, int gate_count) {
 
 // w (K, N) row-major -> packed (blocks, K, 32): packed[b][k][j] = w[k][32 b + j], zero past N.  The
 // backward's right-hand side: d_h = d_gates @ w_hh with K = G H, N = H.
-PackedWeights pack_columns(const float* w, int depth, int width) {
+AlignedFloats pack_columns(const float* w, int depth, int width) {
   const int blocks = (width + kTile - 1) / kTile;
-  PackedWeights packed(static_cast<size_t>(blocks) * depth * kTile);
+  AlignedFloats packed(static_cast<size_t>(blocks) * depth * kTile);
   for (int b = 0; b < blocks; ++b) {
     const int columns = std::min(kTile, width - b * kTile);
     for (int k = 0; k < depth; ++k) {
@@ -539,13 +541,13 @@ void final_states(const Loop& loop, const mx::array& output, float* h_n) {
 // finds them in cache.  Without it, at (B, H) = (32, 128) on one thread, gate_math's first read of
 // x_gates held 40% of its time; with it the loop (T = 200) took 17 ms instead of 26.
 template <class Before, class GateMath>
-void packed_steps(const Loop& loop, int batch, int hidden, const PackedWeights& packed, const mx::array& x_gates,
+void packed_steps(const Loop& loop, int batch, int hidden, const AlignedFloats& packed, const mx::array& x_gates,
                   float* h, float* h_next, Before before, GateMath gate_math) {
   const int blocks = (hidden + kUnits - 1) / kUnits, gates = x_gates.shape(1) / hidden;
   run_team(team_size(batch, hidden, blocks), [&](int thread, int threads, StepBarrier& barrier) {
     const int first_block = blocks * thread / threads, end_block = blocks * (thread + 1) / threads;
     const int first_unit = first_block * kUnits, end_unit = std::min(hidden, end_block * kUnits);
-    PackedWeights products(static_cast<size_t>(batch) * kTile);  // a block's products for every row of a step
+    AlignedFloats products(static_cast<size_t>(batch) * kTile);  // a block's products for every row of a step
     float *current = h, *next = h_next;
     for (size_t s = 0; s < loop.steps.size(); ++s) {
       const Step& step = loop.steps[s];
@@ -593,8 +595,9 @@ void lstm_forward_packed(std::vector<mx::array>& ins, std::vector<mx::array>& ou
   };
   auto gate_math = [&](const Step& step, int r, int unit, int units, const float* acc, const float*, float* next) {
     const float* x = row_of(ins[0], step.first + r) + unit;  // x_gates: i at 0, f at H, ...
-    lstm_gate_math(units, hidden, x, bias != nullptr ? bias + unit : nullptr, acc, c + static_cast<size_t>(r) * hidden + unit,
-                   next + static_cast<size_t>(r) * hidden + unit, row_of(outs[0], step.first + r) + unit,
+    lstm_gate_math(units, hidden, x, bias != nullptr ? bias + unit : nullptr, acc,
+                   c + static_cast<size_t>(r) * hidden + unit, next + static_cast<size_t>(r) * hidden + unit,
+                   row_of(outs[0], step.first + r) + unit,
                    save ? row_of(outs[3], step.first + r) + unit : nullptr,
                    save ? row_of(outs[4], step.first + r) + unit : nullptr);
   };
@@ -653,8 +656,8 @@ void gru_forward_packed(std::vector<mx::array>& ins, std::vector<mx::array>& out
   auto gate_math = [&](const Step& step, int r, int unit, int units, const float* acc, const float* current,
                        float* next) {
     const size_t row = static_cast<size_t>(step.first) + r, at = static_cast<size_t>(r) * hidden + unit;
-    gru_gate_math(units, hidden, row_of(ins[0], row) + unit, bias != nullptr ? bias + unit : nullptr, b_hh + unit, acc, current + at, next + at,
-                  row_of(outs[0], row) + unit, save ? row_of(outs[2], row) + unit : nullptr,
+    gru_gate_math(units, hidden, row_of(ins[0], row) + unit, bias != nullptr ? bias + unit : nullptr, b_hh + unit,
+                  acc, current + at, next + at, row_of(outs[0], row) + unit, save ? row_of(outs[2], row) + unit : nullptr,
                   save ? row_of(outs[3], row) + unit : nullptr);
   };
   packed_steps(loop, batch, hidden, pack_gate_weights(ins[1].data<float>(), hidden, 3), ins[0], h.data(),
@@ -669,14 +672,14 @@ void gru_forward_packed(std::vector<mx::array>& ins, std::vector<mx::array>& out
 // step's gate_backward reads the same thread's columns of d_h, and writes other rows of d_gates than
 // the product still reads: one meeting per step.
 template <class GateBackward>
-void packed_backward_steps(const Loop& loop, int batch, int hidden, const PackedWeights& packed, const mx::array& d_gates,
+void packed_backward_steps(const Loop& loop, int batch, int hidden, const AlignedFloats& packed, const mx::array& d_gates,
                            float* d_h, bool accumulate, GateBackward gate_backward) {
   const int depth = d_gates.shape(1), blocks = (hidden + kTile - 1) / kTile;
   const int threads = std::min(team_size(batch, hidden, (hidden + kUnits - 1) / kUnits), blocks);
   run_team(threads, [&](int thread, int team, StepBarrier& barrier) {
     const int first_block = blocks * thread / team, end_block = blocks * (thread + 1) / team;
     const int first = first_block * kTile, end = std::min(hidden, end_block * kTile);
-    PackedWeights products(static_cast<size_t>(batch) * kTile);  // a block's products for every row of a step
+    AlignedFloats products(static_cast<size_t>(batch) * kTile);  // a block's products for every row of a step
     for (auto step = loop.steps.rbegin(); step != loop.steps.rend(); ++step) {
       gate_backward(*step, first, end);
       barrier.wait();
@@ -1491,7 +1494,8 @@ std::vector<mx::array> quantized_step(const std::string& kind, const mx::array& 
     if (kind == "gru") {
       add_quantized_product(h_prev, w_hh, hidden_side.data());
       for (int r = 0; r < batch; ++r) {
-        gru_row(hidden, input.data() + static_cast<size_t>(r) * gates, nullptr, hidden_side.data() + static_cast<size_t>(r) * gates,
+        gru_row(hidden, input.data() + static_cast<size_t>(r) * gates, nullptr,
+                hidden_side.data() + static_cast<size_t>(r) * gates,
                 h_prev.data<float>() + static_cast<size_t>(r) * hidden, out + static_cast<size_t>(r) * hidden, nullptr);
       }
       copy_rows(h_new, out, batch, hidden);
