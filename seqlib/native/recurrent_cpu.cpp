@@ -228,27 +228,78 @@ void gru_gate_backward(const std::vector<mx::array>& ins, std::vector<mx::array>
 //
 // For a sequence of many steps the recurrent product of each step, h (rows, H) @ w_hh^T (H, G H), is
 // small: OpenBLAS repacks all of w_hh on every call and, for a product this size, spends more time
-// around it than in it.  Here w_hh is packed once per sequence into blocks of 8 hidden units: block
-// b holds, for every k, the weights of units 8b..8b+7 of every gate (LSTM: i, f, g, o, 32 columns;
-// GRU: r, z, n and 8 zero columns, a quarter of its FMAs wasted for the same tile), so one register
-// tile of (up to kRowsPerTile rows) x 32 accumulates all gates of 8 units, and the gate math runs on
-// the tile (the "epilogue"): the gates' products never go through memory.  Per k and row the tile
-// broadcasts one h and multiplies it into the 32 columns: with AVX-512 two vectors of 16 and 8 rows
-// (16 accumulators of the 32 registers), with AVX2 two halves of 16 columns and 6 rows (below).  Used where the build has AVX2 and FMA and runs_packed says so;
-// otherwise the OpenBLAS loops below run.  Same math, other summation order: the results agree with
-// the OpenBLAS loops to float32 rounding.
+// around it than in it.  Here w_hh is packed once per sequence into blocks of kUnits hidden units (one
+// vector: 16 with AVX-512, 8 with AVX2): block b holds, for every k, the weights of units
+// kUnits b .. kUnits (b + 1) - 1 of every gate (LSTM: i, f, g, o, kTile = 4 kUnits columns; GRU: r, z, n
+// and kUnits zero columns, a quarter of its FMAs wasted for the same tile), so one register tile of (up
+// to kRowsPerTile rows) x kTile accumulates all gates of a block's units, and the gate math runs on
+// the tile (the "epilogue"), one vector per gate and row: the gates' products never go through memory.
+// Per k and row the tile broadcasts one h and multiplies it into the kTile columns (tile_product).
+// Used where the build has AVX2 and FMA and runs_packed says so; otherwise the OpenBLAS loops below
+// run.  Same math, other summation order: the results agree with the OpenBLAS loops to float32
+// rounding.  AVX2 and AVX-512 builds give the same bits: each output adds its products in the order
+// of k with one FMA each, and the gate math does the same operations on every lane.
 //
 // The backward's product, d_gates (rows, G H) @ w_hh (G H, H), runs on the same tiles: w_hh packed
-// once per backward into blocks of 32 columns of H (pack_columns), K = G H.
+// once per backward into blocks of kTile columns of H (pack_columns), K = G H.
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
 
-constexpr int kUnits = 8, kTile = 4 * kUnits;  // one block: 8 units x 4 gates = 32 columns
+// The packed loops' vector of floats and the few operations their gate math needs, for the widest
+// vectors the build has.  A block's units are one vector; `lanes` < kUnits (the last block of an H
+// that is not a multiple of kUnits) loads and stores only the first lanes floats (masked: the others
+// read as zero, are never written, and fault on no page).
+namespace simd {
 #if defined(__AVX512F__)
-constexpr int kRowsPerTile = 8;
+using Vec = __m512;
+constexpr int kLanes = 16;
+inline __mmask16 first(int lanes) { return static_cast<__mmask16>((1u << lanes) - 1); }
+inline Vec load(const float* p, int lanes = kLanes) {
+  return lanes == kLanes ? _mm512_loadu_ps(p) : _mm512_maskz_loadu_ps(first(lanes), p);
+}
+inline void store(float* p, Vec v, int lanes = kLanes) {
+  if (lanes == kLanes) return _mm512_storeu_ps(p, v);
+  _mm512_mask_storeu_ps(p, first(lanes), v);
+}
+inline Vec splat(float value) { return _mm512_set1_ps(value); }
+inline Vec add(Vec a, Vec b) { return _mm512_add_ps(a, b); }
+inline Vec sub(Vec a, Vec b) { return _mm512_sub_ps(a, b); }
+inline Vec mul(Vec a, Vec b) { return _mm512_mul_ps(a, b); }
+inline Vec div(Vec a, Vec b) { return _mm512_div_ps(a, b); }
+// 1 where x > clip, -1 where x < -clip, else value (NaN: neither)
+inline Vec clipped(Vec x, Vec value, float clip) {
+  const __mmask16 high = _mm512_cmp_ps_mask(x, splat(clip), _CMP_GT_OQ);
+  const __mmask16 low = _mm512_cmp_ps_mask(x, splat(-clip), _CMP_LT_OQ);
+  return _mm512_mask_blend_ps(high, _mm512_mask_blend_ps(low, value, splat(-1.0f)), splat(1.0f));
+}
 #else
-constexpr int kRowsPerTile = 6;
+using Vec = __m256;
+constexpr int kLanes = 8;
+inline __m256i first(int lanes) {
+  return _mm256_cmpgt_epi32(_mm256_set1_epi32(lanes), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+}
+inline Vec load(const float* p, int lanes = kLanes) {
+  return lanes == kLanes ? _mm256_loadu_ps(p) : _mm256_maskload_ps(p, first(lanes));
+}
+inline void store(float* p, Vec v, int lanes = kLanes) {
+  if (lanes == kLanes) return _mm256_storeu_ps(p, v);
+  _mm256_maskstore_ps(p, first(lanes), v);
+}
+inline Vec splat(float value) { return _mm256_set1_ps(value); }
+inline Vec add(Vec a, Vec b) { return _mm256_add_ps(a, b); }
+inline Vec sub(Vec a, Vec b) { return _mm256_sub_ps(a, b); }
+inline Vec mul(Vec a, Vec b) { return _mm256_mul_ps(a, b); }
+inline Vec div(Vec a, Vec b) { return _mm256_div_ps(a, b); }
+inline Vec clipped(Vec x, Vec value, float clip) {
+  const Vec high = _mm256_cmp_ps(x, splat(clip), _CMP_GT_OQ), low = _mm256_cmp_ps(x, splat(-clip), _CMP_LT_OQ);
+  return _mm256_blendv_ps(_mm256_blendv_ps(value, splat(-1.0f), low), splat(1.0f), high);
+}
 #endif
+}  // namespace simd
+using simd::Vec;
+
+constexpr int kUnits = simd::kLanes, kTile = 4 * kUnits;  // one block: kUnits units x 4 gates
+constexpr int kRowsPerTile = 6;
 constexpr int kPackedMinSteps = 4;
 
 // count zeroed floats on a 64-byte boundary (the packed weights, the tiles' products): a tile's vector loads
@@ -299,37 +350,40 @@ AlignedFloats pack_columns(const float* w, int depth, int width) {
   return packed;
 }
 
-// tile (ROWS, 32) = a[ROWS rows of stride lda, depth columns] @ block (depth, 32), or with resume tile +=
-// that product: the accumulators start from the tile, so a product taken in chunks of depth adds its
-// products in the same order, and rounds the same, as one taken whole.
+// tile (ROWS, kTile) = a[ROWS rows of stride lda, depth columns] @ block (depth, kTile), or with resume
+// tile += that product: the accumulators start from the tile, so a product taken in chunks of depth adds
+// its products in the same order, and rounds the same, as one taken whole.
 #if defined(__AVX512F__)
+// AVX-512 (32 registers): per k the block's 64 columns as 4 vectors, loaded once, and ROWS <= 6 broadcasts
+// into 4 ROWS accumulators: 24 FMAs per 10 loads.  (Blocks of 8 units, 32 columns in 2 vectors x 8 rows,
+// took 10 loads per 16 FMAs: their product ran 7-11% slower alone, on a 2-core Sapphire Rapids.)
 template <int ROWS>
 inline void tile_product(const float* a, int lda, int depth, const float* block, float* tile, bool resume) {
-  __m512 low[ROWS], high[ROWS];
+  __m512 acc[ROWS][4];
   for (int r = 0; r < ROWS; ++r) {
-    low[r] = resume ? _mm512_loadu_ps(tile + r * kTile) : _mm512_setzero_ps();
-    high[r] = resume ? _mm512_loadu_ps(tile + r * kTile + 16) : _mm512_setzero_ps();
+    for (int v = 0; v < 4; ++v) acc[r][v] = resume ? _mm512_loadu_ps(tile + r * kTile + 16 * v) : _mm512_setzero_ps();
   }
   for (int k = 0; k < depth; ++k) {
-    const __m512 w_low = _mm512_loadu_ps(block + static_cast<size_t>(k) * kTile);
-    const __m512 w_high = _mm512_loadu_ps(block + static_cast<size_t>(k) * kTile + 16);
+    const float* w = block + static_cast<size_t>(k) * kTile;
+    const __m512 w0 = _mm512_loadu_ps(w), w1 = _mm512_loadu_ps(w + 16);
+    const __m512 w2 = _mm512_loadu_ps(w + 32), w3 = _mm512_loadu_ps(w + 48);
     for (int r = 0; r < ROWS; ++r) {
       const __m512 x = _mm512_set1_ps(a[static_cast<size_t>(r) * lda + k]);
-      low[r] = _mm512_fmadd_ps(x, w_low, low[r]);
-      high[r] = _mm512_fmadd_ps(x, w_high, high[r]);
+      acc[r][0] = _mm512_fmadd_ps(x, w0, acc[r][0]);
+      acc[r][1] = _mm512_fmadd_ps(x, w1, acc[r][1]);
+      acc[r][2] = _mm512_fmadd_ps(x, w2, acc[r][2]);
+      acc[r][3] = _mm512_fmadd_ps(x, w3, acc[r][3]);
     }
   }
   for (int r = 0; r < ROWS; ++r) {
-    _mm512_storeu_ps(tile + r * kTile, low[r]);
-    _mm512_storeu_ps(tile + r * kTile + 16, high[r]);
+    for (int v = 0; v < 4; ++v) _mm512_storeu_ps(tile + r * kTile + 16 * v, acc[r][v]);
   }
 }
 #else
 // AVX2 (16 registers): the tile as two halves of 16 columns, each 2 vectors of weights loaded once per k and
 // ROWS <= 6 broadcasts into 12 accumulators: 12 FMAs per 8 loads (all 32 columns at once, 3 rows, took 15
 // loads per 12 FMAs and ran at half the rate).  One row has too few accumulators in a half for the FMAs'
-// latency: it takes all 32 columns at once, 4 accumulators.  Every form, and AVX-512's, adds each output's
-// products in the order of k with one FMA each: AVX2 and AVX-512 machines give the same bits.
+// latency: it takes all 32 columns at once, 4 accumulators.
 template <int ROWS>
 inline void tile_product(const float* a, int lda, int depth, const float* block, float* tile, bool resume) {
   for (int half = 0; half < 2; ++half) {
@@ -370,10 +424,6 @@ inline void tile_product<1>(const float* a, int, int depth, const float* block, 
 
 inline void tile_product(int rows, const float* a, int lda, int depth, const float* block, float* tile, bool resume) {
   switch (rows) {
-#if defined(__AVX512F__)
-    case 8: return tile_product<8>(a, lda, depth, block, tile, resume);
-    case 7: return tile_product<7>(a, lda, depth, block, tile, resume);
-#endif
     case 6: return tile_product<6>(a, lda, depth, block, tile, resume);
     case 5: return tile_product<5>(a, lda, depth, block, tile, resume);
     case 4: return tile_product<4>(a, lda, depth, block, tile, resume);
@@ -383,11 +433,13 @@ inline void tile_product(int rows, const float* a, int lda, int depth, const flo
   }
 }
 
-// The rows (rows, 32) = a[rows of stride lda, depth columns] @ block (depth, 32), in tiles of up to kRowsPerTile
-// rows (spread evenly: no thin last tile), taken in chunks of kDepthChunk: a chunk of the block (16 KB) stays in
-// L1 while every tile reads it, where a whole block (depth 512: 64 KB; the backward's depth 2,048: 256 KB)
-// would stream from L2 once per tile.  The chunks resume the tiles' accumulators: the same bits as one pass.
-// One thread at (T, B, H) = (100, 32, 512), interleaved runs: 145 -> 118 ms (2-core Zen 3, AVX2).
+// The rows (rows, kTile) = a[rows of stride lda, depth columns] @ block (depth, kTile), in tiles of up to
+// kRowsPerTile rows (spread evenly: no thin last tile), taken in chunks of kDepthChunk: a chunk of the block
+// (16 KB with AVX2, 32 KB with AVX-512) stays in L1 while every tile reads it, where a whole block (AVX2, depth
+// 512: 64 KB; the backward's depth 2,048: 256 KB) would stream from L2 once per tile.  The chunks resume the
+// tiles' accumulators: the same bits as one pass.  One thread at (T, B, H) = (100, 32, 512), interleaved runs:
+// 145 -> 118 ms (2-core Zen 3, AVX2).  With AVX-512's 64 columns, chunks of 128 beat 64 by 5-7% (the product
+// alone, 2-core Sapphire Rapids, 48 KB of L1).
 constexpr int kDepthChunk = 128;
 inline void rows_product(int rows, const float* a, int lda, int depth, const float* block, float* out) {
   const int tiles = (rows + kRowsPerTile - 1) / kRowsPerTile;
@@ -401,69 +453,48 @@ inline void rows_product(int rows, const float* a, int lda, int depth, const flo
   }
 }
 
-// biased() on 8 floats: x[k..k+7] (+ bias[k..k+7]).
-inline __m256 biased8(const float* x, const float* bias, int k) {
-  const __m256 value = _mm256_loadu_ps(x + k);
-  return bias != nullptr ? _mm256_add_ps(value, _mm256_loadu_ps(bias + k)) : value;
+// biased() on a vector: x[k..] (+ bias[k..]), the first `lanes` floats.
+inline Vec load_biased(const float* x, const float* bias, int k, int lanes) {
+  const Vec value = simd::load(x + k, lanes);
+  return bias != nullptr ? simd::add(value, simd::load(bias + k, lanes)) : value;
 }
 
-// fast_tanh and fast_sigmoid on 8 floats, with the scalar versions' operations in the same order
+// fast_tanh and fast_sigmoid on a vector, with the scalar versions' operations in the same order
 // (multiplies and adds, no FMA), so both round alike.
-inline __m256 fast_tanh8(__m256 x) {
-  const auto k = [](float value) { return _mm256_set1_ps(value); };
-  const __m256 s = _mm256_mul_ps(x, x), s2 = _mm256_mul_ps(s, s), s4 = _mm256_mul_ps(s2, s2);
-  const __m256 p = _mm256_add_ps(
-      _mm256_add_ps(_mm256_add_ps(k(0.99999999846087562f), _mm256_mul_ps(k(0.13127960818606593f), s)),
-                    _mm256_mul_ps(s2, _mm256_add_ps(k(0.0031534538885072843f), _mm256_mul_ps(k(1.1687376471272515e-05f), s)))),
-      _mm256_mul_ps(s4, _mm256_add_ps(_mm256_add_ps(k(-2.2515741118421894e-08f), _mm256_mul_ps(k(6.4773125632460462e-11f), s)),
-                                      _mm256_mul_ps(s2, k(-1.1907169347536057e-13f)))));
-  const __m256 q = _mm256_add_ps(_mm256_add_ps(k(1.0f), _mm256_mul_ps(k(0.46461292548968347f), s)),
-                                 _mm256_mul_ps(s2, _mm256_add_ps(k(0.024691123530499584f), _mm256_mul_ps(k(0.00026190431069089969f), s))));
-  const __m256 ratio = _mm256_div_ps(_mm256_mul_ps(x, p), q);
-  constexpr float clip = 7.90531110763549805f;
-  const __m256 high = _mm256_cmp_ps(x, k(clip), _CMP_GT_OQ), low = _mm256_cmp_ps(x, k(-clip), _CMP_LT_OQ);
-  return _mm256_blendv_ps(_mm256_blendv_ps(ratio, k(-1.0f), low), k(1.0f), high);  // NaN: neither, stays NaN
+inline Vec fast_tanh(Vec x) {
+  using simd::add, simd::mul, simd::splat;
+  const Vec s = mul(x, x), s2 = mul(s, s), s4 = mul(s2, s2);
+  const Vec p = add(add(add(splat(0.99999999846087562f), mul(splat(0.13127960818606593f), s)),
+                        mul(s2, add(splat(0.0031534538885072843f), mul(splat(1.1687376471272515e-05f), s)))),
+                    mul(s4, add(add(splat(-2.2515741118421894e-08f), mul(splat(6.4773125632460462e-11f), s)),
+                                mul(s2, splat(-1.1907169347536057e-13f)))));
+  const Vec q = add(add(splat(1.0f), mul(splat(0.46461292548968347f), s)),
+                    mul(s2, add(splat(0.024691123530499584f), mul(splat(0.00026190431069089969f), s))));
+  return simd::clipped(x, simd::div(mul(x, p), q), 7.90531110763549805f);
 }
 
-inline __m256 fast_sigmoid8(__m256 x) {
-  const __m256 half = _mm256_set1_ps(0.5f);
-  return _mm256_add_ps(_mm256_mul_ps(half, fast_tanh8(_mm256_mul_ps(half, x))), half);
+inline Vec fast_sigmoid(Vec x) {
+  const Vec half = simd::splat(0.5f);
+  return simd::add(simd::mul(half, fast_tanh(simd::mul(half, x))), half);
 }
 
-// The LSTM's gate math for `units` (<= 8) units of one row: acc holds their four gates' products
-// (i, f, g, o: 8 each), x their input sides (i at x[0], f at x[H], ...) and bias (the same layout, or
-// nullptr) what is added to them; c advances in place, h and
-// out get the new h, and where asked act (i at 0, f at H, ...) and tanh_row what the backward reads.
+// The LSTM's gate math for `units` (<= kUnits) units of one row: acc holds their four gates' products
+// (i, f, g, o: kUnits each), x their input sides (i at x[0], f at x[H], ...) and bias (the same layout, or
+// nullptr) what is added to them; c advances in place, h and out get the new h, and where asked act (i at
+// 0, f at H, ...) and tanh_row what the backward reads.
 inline void lstm_gate_math(int units, int hidden, const float* x, const float* bias, const float* acc, float* c,
                            float* h, float* out, float* act, float* tanh_row) {
-  if (units == kUnits) {
-    const auto at = [&](int gate) {
-      return _mm256_add_ps(biased8(x, bias, gate * hidden), _mm256_loadu_ps(acc + gate * kUnits));
-    };
-    const __m256 i = fast_sigmoid8(at(0)), f = fast_sigmoid8(at(1)), g = fast_tanh8(at(2)), o = fast_sigmoid8(at(3));
-    const __m256 c_new = _mm256_add_ps(_mm256_mul_ps(f, _mm256_loadu_ps(c)), _mm256_mul_ps(i, g));
-    const __m256 tanh_c = fast_tanh8(c_new), h_new = _mm256_mul_ps(o, tanh_c);
-    _mm256_storeu_ps(c, c_new);
-    _mm256_storeu_ps(h, h_new);
-    _mm256_storeu_ps(out, h_new);
-    if (act != nullptr) {
-      _mm256_storeu_ps(act, i), _mm256_storeu_ps(act + hidden, f);
-      _mm256_storeu_ps(act + 2 * hidden, g), _mm256_storeu_ps(act + 3 * hidden, o);
-      _mm256_storeu_ps(tanh_row, tanh_c);
-    }
-    return;
-  }
-  for (int u = 0; u < units; ++u) {  // the last block of an H that is not a multiple of 8
-    const auto at = [&](int gate) { return biased(x, bias, gate * hidden + u) + acc[gate * kUnits + u]; };
-    const float i = fast_sigmoid(at(0)), f = fast_sigmoid(at(1)), g = fast_tanh(at(2)), o = fast_sigmoid(at(3));
-    const float c_new = f * c[u] + i * g;
-    const float tanh_c = fast_tanh(c_new);
-    c[u] = c_new;
-    h[u] = out[u] = o * tanh_c;
-    if (act != nullptr) {
-      act[u] = i, act[hidden + u] = f, act[2 * hidden + u] = g, act[3 * hidden + u] = o;
-      tanh_row[u] = tanh_c;
-    }
+  using simd::add, simd::mul, simd::store;
+  const auto at = [&](int gate) { return add(load_biased(x, bias, gate * hidden, units), simd::load(acc + gate * kUnits)); };
+  const Vec i = fast_sigmoid(at(0)), f = fast_sigmoid(at(1)), g = fast_tanh(at(2)), o = fast_sigmoid(at(3));
+  const Vec c_new = add(mul(f, simd::load(c, units)), mul(i, g));
+  const Vec tanh_c = fast_tanh(c_new), h_new = mul(o, tanh_c);
+  store(c, c_new, units);
+  store(h, h_new, units);
+  store(out, h_new, units);
+  if (act != nullptr) {
+    store(act, i, units), store(act + hidden, f, units), store(act + 2 * hidden, g, units);
+    store(act + 3 * hidden, o, units), store(tanh_row, tanh_c, units);
   }
 }
 
@@ -528,7 +559,7 @@ void final_states(const Loop& loop, const mx::array& output, float* h_n) {
   for (size_t r = 0; r < last_row.size(); ++r) copy_rows(h_n + r * hidden, row_of(output, last_row[r]), 1, hidden);
 }
 
-// The time loop on packed weights, its blocks of 8 units shared among a team of threads (team_size):
+// The time loop on packed weights, its blocks of kUnits units shared among a team of threads (team_size):
 // at each step each thread calls before(step, first unit, end unit) (what must be saved of the state,
 // its units only), then for each of its blocks and every tile of up to kRowsPerTile rows the tile's
 // product h[rows] @ block and gate_math(step, row, unit, units, tile row, h, h_next) on it, which
@@ -606,41 +637,25 @@ void lstm_forward_packed(std::vector<mx::array>& ins, std::vector<mx::array>& ou
   final_states(loop, outs[0], outs[1].data<float>());
 }
 
-// The GRU's gate math for `units` (<= 8) units of one row: acc holds their products with w_hh (r, z,
-// n: 8 each), b_hh and x (r at 0, z at H, n at 2H) their biases and input sides; h_prev is the state
+// The GRU's gate math for `units` (<= kUnits) units of one row: acc holds their products with w_hh (r, z,
+// n: kUnits each), b_hh and x (r at 0, z at H, n at 2H) their biases and input sides; h_prev is the state
 // before the step.  h and out get the new h; where asked act (r, z, n) and hidden_side (acc + b_hh).
 inline void gru_gate_math(int units, int hidden, const float* x, const float* bias, const float* b_hh,
                           const float* acc, const float* h_prev, float* h, float* out, float* act,
                           float* hidden_side) {
-  if (units == kUnits) {
-    const auto side = [&](int gate) {
-      return _mm256_add_ps(_mm256_loadu_ps(acc + gate * kUnits), _mm256_loadu_ps(b_hh + gate * hidden));
-    };
-    const __m256 hs_r = side(0), hs_z = side(1), hs_n = side(2);
-    const __m256 reset = fast_sigmoid8(_mm256_add_ps(biased8(x, bias, 0), hs_r));
-    const __m256 update = fast_sigmoid8(_mm256_add_ps(biased8(x, bias, hidden), hs_z));
-    const __m256 n = fast_tanh8(_mm256_add_ps(biased8(x, bias, 2 * hidden), _mm256_mul_ps(reset, hs_n)));
-    const __m256 h_new = _mm256_add_ps(n, _mm256_mul_ps(update, _mm256_sub_ps(_mm256_loadu_ps(h_prev), n)));
-    _mm256_storeu_ps(h, h_new);
-    _mm256_storeu_ps(out, h_new);
-    if (act != nullptr) {
-      _mm256_storeu_ps(act, reset), _mm256_storeu_ps(act + hidden, update), _mm256_storeu_ps(act + 2 * hidden, n);
-      _mm256_storeu_ps(hidden_side, hs_r), _mm256_storeu_ps(hidden_side + hidden, hs_z);
-      _mm256_storeu_ps(hidden_side + 2 * hidden, hs_n);
-    }
-    return;
-  }
-  for (int u = 0; u < units; ++u) {  // the last block of an H that is not a multiple of 8
-    const float hs_r = acc[u] + b_hh[u], hs_z = acc[kUnits + u] + b_hh[hidden + u];
-    const float hs_n = acc[2 * kUnits + u] + b_hh[2 * hidden + u];
-    const float reset = fast_sigmoid(biased(x, bias, u) + hs_r);
-    const float update = fast_sigmoid(biased(x, bias, hidden + u) + hs_z);
-    const float n = fast_tanh(biased(x, bias, 2 * hidden + u) + reset * hs_n);
-    h[u] = out[u] = n + update * (h_prev[u] - n);
-    if (act != nullptr) {
-      act[u] = reset, act[hidden + u] = update, act[2 * hidden + u] = n;
-      hidden_side[u] = hs_r, hidden_side[hidden + u] = hs_z, hidden_side[2 * hidden + u] = hs_n;
-    }
+  using simd::add, simd::mul, simd::store;
+  const auto side = [&](int gate) { return add(simd::load(acc + gate * kUnits), simd::load(b_hh + gate * hidden, units)); };
+  const Vec hs_r = side(0), hs_z = side(1), hs_n = side(2);
+  const Vec reset = fast_sigmoid(add(load_biased(x, bias, 0, units), hs_r));
+  const Vec update = fast_sigmoid(add(load_biased(x, bias, hidden, units), hs_z));
+  const Vec n = fast_tanh(add(load_biased(x, bias, 2 * hidden, units), mul(reset, hs_n)));
+  const Vec h_new = add(n, mul(update, simd::sub(simd::load(h_prev, units), n)));
+  store(h, h_new, units);
+  store(out, h_new, units);
+  if (act != nullptr) {
+    store(act, reset, units), store(act + hidden, update, units), store(act + 2 * hidden, n, units);
+    store(hidden_side, hs_r, units), store(hidden_side + hidden, hs_z, units);
+    store(hidden_side + 2 * hidden, hs_n, units);
   }
 }
 
@@ -667,7 +682,7 @@ void gru_forward_packed(std::vector<mx::array>& ins, std::vector<mx::array>& out
 
 // The backward's time loop on packed weights: per step (in reverse) each thread of the team runs
 // gate_backward(step, first, end) for its units, which writes the step's rows of d_gates (rows, K) for
-// them; the team meets; then each thread computes its blocks of 32 columns of d_gates @ w_hh (K, H)
+// them; the team meets; then each thread computes its blocks of kTile columns of d_gates @ w_hh (K, H)
 // from all of d_gates' columns and writes (or, with accumulate, adds) them into d_h's rows.  The next
 // step's gate_backward reads the same thread's columns of d_h, and writes other rows of d_gates than
 // the product still reads: one meeting per step.
