@@ -37,6 +37,7 @@
 #include <atomic>
 #include <cmath>
 #include <cstring>
+#include <memory>
 #include <optional>
 #include <stdexcept>
 #include <string>
@@ -241,7 +242,7 @@ void gru_gate_backward(const std::vector<mx::array>& ins, std::vector<mx::array>
 // of k with one FMA each, and the gate math does the same operations on every lane.
 //
 // The backward's product, d_gates (rows, G H) @ w_hh (G H, H), runs on the same tiles: w_hh packed
-// once per backward into blocks of kTile columns of H (pack_columns), K = G H.
+// once per backward into blocks of kTile columns of H (pack_column_blocks), K = G H.
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
 
@@ -302,52 +303,53 @@ constexpr int kUnits = simd::kLanes, kTile = 4 * kUnits;  // one block: kUnits u
 constexpr int kRowsPerTile = 6;
 constexpr int kPackedMinSteps = 4;
 
-// count zeroed floats on a 64-byte boundary (the packed weights, the tiles' products): a tile's vector loads
-// then never straddle two cache lines.
+// count floats on a 64-byte boundary (the packed weights, the tiles' products): a tile's vector loads then
+// never straddle two cache lines.  Not initialised: each user writes what it reads.
 class AlignedFloats {
  public:
-  explicit AlignedFloats(size_t count) : storage_(count + 16, 0.0f) {
-    const auto address = reinterpret_cast<uintptr_t>(storage_.data());
-    data_ = storage_.data() + ((64 - address % 64) % 64) / sizeof(float);
+  explicit AlignedFloats(size_t count) : storage_(new float[count + 16]) {
+    const auto address = reinterpret_cast<uintptr_t>(storage_.get());
+    data_ = storage_.get() + ((64 - address % 64) % 64) / sizeof(float);
   }
   float* data() { return data_; }
   const float* data() const { return data_; }
 
  private:
-  std::vector<float> storage_;
+  std::unique_ptr<float[]> storage_;
   float* data_;
 };
 
-// w_hh (G H, H), G = 4 (LSTM) or 3 (GRU) -> packed (blocks, H, 32): packed[b][k][g * 8 + u] =
-// w_hh[g * H + 8b + u][k] for the G gates; zero past H and in the GRU's unused fourth slot.
-AlignedFloats pack_gate_weights(const float* w_hh, int hidden, int gate_count) {
-  const int blocks = (hidden + kUnits - 1) / kUnits;
-  AlignedFloats packed(static_cast<size_t>(blocks) * hidden * kTile);
-  for (int b = 0; b < blocks; ++b) {
-    for (int g = 0; g < gate_count; ++g) {
-      for (int u = 0; u < kUnits && b * kUnits + u < hidden; ++u) {
-        const float* row = w_hh + static_cast<size_t>(g * hidden + b * kUnits + u) * hidden;
-        float* column = packed.data() + static_cast<size_t>(b) * hidden * kTile + g * kUnits + u;
-        for (int k = 0; k < hidden; ++k) column[static_cast<size_t>(k) * kTile] = row[k];
+// Blocks [first, end) of w_hh (G H, H), G = 4 (LSTM) or 3 (GRU), packed into (blocks, H, kTile):
+// packed[b][k][g kUnits + u] = w_hh[g H + kUnits b + u][k] for the G gates; zero past H and in the GRU's
+// unused fourth slot.  Row k of a block is written whole, from one float of each of its kTile source rows.
+// Each thread of a packed loop packs the blocks it multiplies by (they then sit in its own caches).
+void pack_gate_blocks(const float* w_hh, int hidden, int gate_count, int first, int end, float* packed) {
+  for (int b = first; b < end; ++b) {
+    const int units = std::min(kUnits, hidden - b * kUnits);
+    float* block = packed + static_cast<size_t>(b) * hidden * kTile;
+    for (int k = 0; k < hidden; ++k) {
+      float* row = block + static_cast<size_t>(k) * kTile;
+      for (int g = 0; g < 4; ++g) {
+        const float* source = w_hh + (static_cast<size_t>(g) * hidden + static_cast<size_t>(b) * kUnits) * hidden + k;
+        for (int u = 0; u < kUnits; ++u) {
+          row[g * kUnits + u] = g < gate_count && u < units ? source[static_cast<size_t>(u) * hidden] : 0.0f;
+        }
       }
     }
   }
-  return packed;
 }
 
-// w (K, N) row-major -> packed (blocks, K, 32): packed[b][k][j] = w[k][32 b + j], zero past N.  The
-// backward's right-hand side: d_h = d_gates @ w_hh with K = G H, N = H.
-AlignedFloats pack_columns(const float* w, int depth, int width) {
-  const int blocks = (width + kTile - 1) / kTile;
-  AlignedFloats packed(static_cast<size_t>(blocks) * depth * kTile);
-  for (int b = 0; b < blocks; ++b) {
+// Blocks [first, end) of w (K, N) row-major packed into (blocks, K, kTile): packed[b][k][j] = w[k][kTile b + j],
+// zero past N.  The backward's right-hand side: d_h = d_gates @ w_hh with K = G H, N = H.
+void pack_column_blocks(const float* w, int depth, int width, int first, int end, float* packed) {
+  for (int b = first; b < end; ++b) {
     const int columns = std::min(kTile, width - b * kTile);
     for (int k = 0; k < depth; ++k) {
-      std::memcpy(packed.data() + (static_cast<size_t>(b) * depth + k) * kTile,
-                  w + static_cast<size_t>(k) * width + b * kTile, sizeof(float) * columns);
+      float* row = packed + (static_cast<size_t>(b) * depth + k) * kTile;
+      std::memcpy(row, w + static_cast<size_t>(k) * width + b * kTile, sizeof(float) * columns);
+      std::fill(row + columns, row + kTile, 0.0f);
     }
   }
-  return packed;
 }
 
 // tile (ROWS, kTile) = a[ROWS rows of stride lda, depth columns] @ block (depth, kTile), or with resume
@@ -572,12 +574,14 @@ void final_states(const Loop& loop, const mx::array& output, float* h_n) {
 // finds them in cache.  Without it, at (B, H) = (32, 128) on one thread, gate_math's first read of
 // x_gates held 40% of its time; with it the loop (T = 200) took 17 ms instead of 26.
 template <class Before, class GateMath>
-void packed_steps(const Loop& loop, int batch, int hidden, const AlignedFloats& packed, const mx::array& x_gates,
-                  float* h, float* h_next, Before before, GateMath gate_math) {
+void packed_steps(const Loop& loop, int batch, int hidden, const float* w_hh, const mx::array& x_gates, float* h,
+                  float* h_next, Before before, GateMath gate_math) {
   const int blocks = (hidden + kUnits - 1) / kUnits, gates = x_gates.shape(1) / hidden;
+  AlignedFloats packed(static_cast<size_t>(blocks) * hidden * kTile);
   run_team(team_size(batch, hidden, blocks), [&](int thread, int threads, StepBarrier& barrier) {
     const int first_block = blocks * thread / threads, end_block = blocks * (thread + 1) / threads;
     const int first_unit = first_block * kUnits, end_unit = std::min(hidden, end_block * kUnits);
+    pack_gate_blocks(w_hh, hidden, gates, first_block, end_block, packed.data());
     AlignedFloats products(static_cast<size_t>(batch) * kTile);  // a block's products for every row of a step
     float *current = h, *next = h_next;
     for (size_t s = 0; s < loop.steps.size(); ++s) {
@@ -632,8 +636,7 @@ void lstm_forward_packed(std::vector<mx::array>& ins, std::vector<mx::array>& ou
                    save ? row_of(outs[3], step.first + r) + unit : nullptr,
                    save ? row_of(outs[4], step.first + r) + unit : nullptr);
   };
-  packed_steps(loop, batch, hidden, pack_gate_weights(ins[1].data<float>(), hidden, 4), ins[0], h.data(),
-               h_next.data(), before, gate_math);
+  packed_steps(loop, batch, hidden, ins[1].data<float>(), ins[0], h.data(), h_next.data(), before, gate_math);
   final_states(loop, outs[0], outs[1].data<float>());
 }
 
@@ -675,8 +678,7 @@ void gru_forward_packed(std::vector<mx::array>& ins, std::vector<mx::array>& out
                   acc, current + at, next + at, row_of(outs[0], row) + unit, save ? row_of(outs[2], row) + unit : nullptr,
                   save ? row_of(outs[3], row) + unit : nullptr);
   };
-  packed_steps(loop, batch, hidden, pack_gate_weights(ins[1].data<float>(), hidden, 3), ins[0], h.data(),
-               h_next.data(), before, gate_math);
+  packed_steps(loop, batch, hidden, ins[1].data<float>(), ins[0], h.data(), h_next.data(), before, gate_math);
   final_states(loop, outs[0], outs[1].data<float>());
 }
 
@@ -687,13 +689,15 @@ void gru_forward_packed(std::vector<mx::array>& ins, std::vector<mx::array>& out
 // step's gate_backward reads the same thread's columns of d_h, and writes other rows of d_gates than
 // the product still reads: one meeting per step.
 template <class GateBackward>
-void packed_backward_steps(const Loop& loop, int batch, int hidden, const AlignedFloats& packed, const mx::array& d_gates,
+void packed_backward_steps(const Loop& loop, int batch, int hidden, const float* w_hh, const mx::array& d_gates,
                            float* d_h, bool accumulate, GateBackward gate_backward) {
   const int depth = d_gates.shape(1), blocks = (hidden + kTile - 1) / kTile;
   const int threads = std::min(team_size(batch, hidden, (hidden + kUnits - 1) / kUnits), blocks);
+  AlignedFloats packed(static_cast<size_t>(blocks) * depth * kTile);
   run_team(threads, [&](int thread, int team, StepBarrier& barrier) {
     const int first_block = blocks * thread / team, end_block = blocks * (thread + 1) / team;
     const int first = first_block * kTile, end = std::min(hidden, end_block * kTile);
+    pack_column_blocks(w_hh, depth, hidden, first_block, end_block, packed.data());
     AlignedFloats products(static_cast<size_t>(batch) * kTile);  // a block's products for every row of a step
     for (auto step = loop.steps.rbegin(); step != loop.steps.rend(); ++step) {
       gate_backward(*step, first, end);
@@ -718,7 +722,7 @@ void lstm_backward_packed(std::vector<mx::array>& ins, std::vector<mx::array>& o
   float* d_c = outs[2].data<float>();
   copy_rows(d_h, ins[5].data<float>(), batch, hidden);
   copy_rows(d_c, ins[6].data<float>(), batch, hidden);
-  packed_backward_steps(loop, batch, hidden, pack_columns(ins[0].data<float>(), 4 * hidden, hidden), outs[0], d_h,
+  packed_backward_steps(loop, batch, hidden, ins[0].data<float>(), outs[0], d_h,
                         false, [&](const Step& step, int first, int end) {
                           lstm_gate_backward(ins, outs, step, d_h, d_c, first, end);
                         });
@@ -728,7 +732,7 @@ void gru_backward_packed(std::vector<mx::array>& ins, std::vector<mx::array>& ou
   const int batch = ins[5].shape(0), hidden = ins[5].shape(1);
   float* d_h = outs[2].data<float>();
   copy_rows(d_h, ins[5].data<float>(), batch, hidden);
-  packed_backward_steps(loop, batch, hidden, pack_columns(ins[0].data<float>(), 3 * hidden, hidden), outs[1], d_h,
+  packed_backward_steps(loop, batch, hidden, ins[0].data<float>(), outs[1], d_h,
                         true, [&](const Step& step, int first, int end) {
                           gru_gate_backward(ins, outs, step, d_h, first, end);
                         });
