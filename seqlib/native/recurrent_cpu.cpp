@@ -539,17 +539,13 @@ void run_team(int threads, Body body) {
   for (auto& thread : pool) thread.join();
 }
 
-// How many threads a packed loop shares its blocks among: one where a step is too small to repay a meeting
-// per step, else as many as the process may use and there are blocks.  A step repays it when its product is
-// large (Zen 3, 2 cores: (B, H) = (64, 128), 4M multiply-adds a step, ran 3x faster on two threads; (16, 128),
-// 1M, twice as slow: a meeting costs microseconds, more when a neighbour holds the other core), or when its
-// packed weights (16 H^2 bytes) reach 1 MB, where a step at a small batch is bound by reading them from L2 and
-// two threads read half each, from two caches (Sapphire Rapids, 2 cores, the loop alone, LSTM at B = 1:
-// H = 256 1.13 -> 0.68 ms for 50 steps, H = 512 10.5 -> 4.5; B = 4, H = 256: 5.1 -> 2.8 ms for 100).
-constexpr int64_t kTeamMinMultiplyAdds = 1 << 22, kTeamMinWeightBytes = 1 << 20;
+// How many threads a packed loop shares its blocks among: one where a step's product is too small to repay
+// a meeting per step, else as many as the process may use and there are blocks.  Measured on a 2-core
+// Zen 3 VM: (B, H) = (64, 128), 4M multiply-adds a step, ran 3x faster on two threads; (16, 128), 1M, twice
+// as slow (a meeting costs microseconds, more when a neighbour holds the other core).
+constexpr int64_t kTeamMinMultiplyAdds = 1 << 22;
 int team_size(int batch, int hidden, int blocks) {
-  const int64_t weight_bytes = int64_t{16} * hidden * hidden;
-  if (int64_t{batch} * 4 * hidden * hidden < kTeamMinMultiplyAdds && weight_bytes < kTeamMinWeightBytes) return 1;
+  if (int64_t{batch} * 4 * hidden * hidden < kTeamMinMultiplyAdds) return 1;
   return std::max(1, std::min(seqlib_cpu::thread_budget(), blocks / 2));
 }
 
@@ -751,8 +747,7 @@ bool runs_packed_backward(const Loop& loop) { return static_cast<int>(loop.steps
 // of its tile's FMAs are the zero slot's) a team of threads to run it.  Measured in a layer on a 2-core
 // Zen 3 (AVX2), OpenBLAS's workers spinning for 2^20 cycles: the LSTM packed ahead at every size, from
 // (B, H) = (1, 256) to (20, 650); the GRU packed on two threads ahead from (64, 128) to (20, 650), on
-// one thread behind at (1, 256).  (Sapphire Rapids, 2 cores: the GRU at (1, 256), now on two threads, 1.36
-// -> 0.66 ms for 50 steps, packed against the OpenBLAS loop.)
+// one thread behind at (1, 256).
 bool runs_packed(const Loop& loop, int batch, int hidden, int gate_count) {
   const int blocks = (hidden + kUnits - 1) / kUnits;
   return static_cast<int>(loop.steps.size()) >= kPackedMinSteps &&
