@@ -570,9 +570,23 @@ void final_states(const Loop& loop, const mx::array& output, float* h_n) {
 // Rows past a step's rows are not carried over: final_states gathers h_n from the output.
 //
 // x_gates (N, G H), which gate_math reads, streams from memory (N G H floats, read once): a step
-// ahead, each block asks for the next step's input sides of its units (prefetch), so that gate_math
+// ahead, each block asks for the next step's input sides of its units (prefetch_row), so that gate_math
 // finds them in cache.  Without it, at (B, H) = (32, 128) on one thread, gate_math's first read of
-// x_gates held 40% of its time; with it the loop (T = 200) took 17 ms instead of 26.
+// x_gates held 40% of its time; with it the loop (T = 200) took 17 ms instead of 26 (Zen 3).  The requests
+// go out one row at a time between the rows' gate math: all of a block's at once (B G lines) filled the
+// core's few line-fill buffers and stalled it on the prefetches (a fifth of the gate math's samples at
+// (B, H) = (64, 128), Sapphire Rapids).
+
+// The input sides of units [unit, unit + kUnits) of one row of x_gates, for its G gates, asked for: each
+// line once (a segment that starts past the first kUnits floats of its line lies in a line that the next
+// block asks for).
+inline void prefetch_row(const float* x, int hidden, int gates) {
+  for (int g = 0; g < gates; ++g) {
+    const auto* segment = reinterpret_cast<const char*>(x + static_cast<size_t>(g) * hidden);
+    if (reinterpret_cast<uintptr_t>(segment) % 64 < kUnits * sizeof(float)) _mm_prefetch(segment, _MM_HINT_T0);
+  }
+}
+
 template <class Before, class GateMath>
 void packed_steps(const Loop& loop, int batch, int hidden, const float* w_hh, const mx::array& x_gates, float* h,
                   float* h_next, Before before, GateMath gate_math) {
@@ -592,12 +606,12 @@ void packed_steps(const Loop& loop, int batch, int hidden, const float* w_hh, co
         const float* block = packed.data() + static_cast<size_t>(b) * hidden * kTile;
         const int unit = b * kUnits, units = std::min(kUnits, hidden - unit);
         rows_product(step.rows, current, hidden, hidden, block, products.data());
-        for (int r = 0; r < step.rows; ++r) {
-          gate_math(step, r, unit, units, products.data() + static_cast<size_t>(r) * kTile, current, next);
-        }
-        for (int r = 0; coming != nullptr && r < coming->rows; ++r) {
-          const float* x = row_of(x_gates, coming->first + r) + unit;
-          for (int g = 0; g < gates; ++g) _mm_prefetch(reinterpret_cast<const char*>(x + g * hidden), _MM_HINT_T0);
+        const int ahead = coming != nullptr ? coming->rows : 0;  // rows of the next step (more, reversed)
+        for (int r = 0; r < std::max(step.rows, ahead); ++r) {
+          if (r < step.rows) {
+            gate_math(step, r, unit, units, products.data() + static_cast<size_t>(r) * kTile, current, next);
+          }
+          if (r < ahead) prefetch_row(row_of(x_gates, coming->first + r) + unit, hidden, gates);
         }
       }
       barrier.wait();
