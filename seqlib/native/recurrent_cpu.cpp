@@ -170,86 +170,13 @@ inline const float* bias_input(const std::vector<mx::array>& ins, size_t at) {
   return ins.size() > at ? ins[at].data<float>() : nullptr;
 }
 
-// The LSTM's backward through one step's gate math, for units [first, end) of its rows: d_gates (the
-// step's rows of outs[0]) from d_h (the gradient reaching h, rows of d_h0's buffer) and d_c, which moves
-// back a step in place.  ins and outs as lstm_backward's.
-void lstm_gate_backward(const std::vector<mx::array>& ins, std::vector<mx::array>& outs, const Step& step,
-                        const float* d_h, float* d_c, int first, int end) {
-  const int hidden = ins[5].shape(1);
-  for (int r = 0; r < step.rows; ++r) {
-    const int row = step.first + r;
-    const float *a = row_of(ins[1], row), *tanh_cs = row_of(ins[2], row), *c_prev = row_of(ins[3], row);
-    const float* d_output = row_of(ins[4], row);
-    float* d_a = row_of(outs[0], row);
-    const float* d_h_row = d_h + static_cast<size_t>(r) * hidden;
-    float* d_c_row = d_c + static_cast<size_t>(r) * hidden;
-    for (int j = first; j < end; ++j) {
-      const float i = a[j], f = a[hidden + j], g = a[2 * hidden + j], o = a[3 * hidden + j];
-      const float tanh_c = tanh_cs[j];
-      const float d_out = d_output[j] + d_h_row[j];
-      const float dc = d_c_row[j] + d_out * o * (1 - tanh_c * tanh_c);
-      d_a[j] = dc * g * i * (1 - i);
-      d_a[hidden + j] = dc * c_prev[j] * f * (1 - f);
-      d_a[2 * hidden + j] = dc * i * (1 - g * g);
-      d_a[3 * hidden + j] = d_out * tanh_c * o * (1 - o);
-      d_c_row[j] = dc * f;
-    }
-  }
-}
-
-// The GRU's backward through one step's gate math, for units [first, end) of its rows: the gradients of
-// its input and hidden sides (outs[0], outs[1]) from d_h, which takes the direct path's part (the
-// recurrent product's is added after).  ins and outs as gru_backward's.
-void gru_gate_backward(const std::vector<mx::array>& ins, std::vector<mx::array>& outs, const Step& step,
-                       float* d_h, int first, int end) {
-  const int hidden = ins[5].shape(1);
-  for (int r = 0; r < step.rows; ++r) {
-    const int row = step.first + r;
-    const float *a = row_of(ins[1], row), *hs = row_of(ins[2], row), *h_prev = row_of(ins[3], row);
-    const float* d_output = row_of(ins[4], row);
-    float* d_input = row_of(outs[0], row);
-    float* d_hidden = row_of(outs[1], row);
-    float* d_h_row = d_h + static_cast<size_t>(r) * hidden;
-    for (int j = first; j < end; ++j) {
-      const float reset = a[j], update = a[hidden + j], n = a[2 * hidden + j];
-      const float d_out = d_output[j] + d_h_row[j];
-      const float d_n = d_out * (1 - update) * (1 - n * n);
-      const float d_z = d_out * (h_prev[j] - n) * update * (1 - update);
-      const float d_r = d_n * hs[2 * hidden + j] * reset * (1 - reset);
-      d_input[j] = d_hidden[j] = d_r;
-      d_input[hidden + j] = d_hidden[hidden + j] = d_z;
-      d_input[2 * hidden + j] = d_n;
-      d_hidden[2 * hidden + j] = d_n * reset;
-      d_h_row[j] = d_out * update;  // the direct path
-    }
-  }
-}
-
-// ----------------------------------------------------------------- LSTM and GRU, packed (AVX2 and AVX-512)
-//
-// For a sequence of many steps the recurrent product of each step, h (rows, H) @ w_hh^T (H, G H), is
-// small: OpenBLAS repacks all of w_hh on every call and, for a product this size, spends more time
-// around it than in it.  Here w_hh is packed once per sequence into blocks of kUnits hidden units (one
-// vector: 16 with AVX-512, 8 with AVX2): block b holds, for every k, the weights of units
-// kUnits b .. kUnits (b + 1) - 1 of every gate (LSTM: i, f, g, o, kTile = 4 kUnits columns; GRU: r, z, n
-// and kUnits zero columns, a quarter of its FMAs wasted for the same tile), so one register tile of (up
-// to kRowsPerTile rows) x kTile accumulates all gates of a block's units, and the gate math runs on
-// the tile (the "epilogue"), one vector per gate and row: the gates' products never go through memory.
-// Per k and row the tile broadcasts one h and multiplies it into the kTile columns (tile_product).
-// Used where the build has AVX2 and FMA and runs_packed says so; otherwise the OpenBLAS loops below
-// run.  Same math, other summation order: the results agree with the OpenBLAS loops to float32
-// rounding.  AVX2 and AVX-512 builds give the same bits: each output adds its products in the order
-// of k with one FMA each, and the gate math does the same operations on every lane.
-//
-// The backward's product, d_gates (rows, G H) @ w_hh (G H, H), runs on the same tiles: w_hh packed
-// once per backward into blocks of kTile columns of H (pack_column_blocks), K = G H.
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
 
-// The packed loops' vector of floats and the few operations their gate math needs, for the widest
-// vectors the build has.  A block's units are one vector; `lanes` < kUnits (the last block of an H
-// that is not a multiple of kUnits) loads and stores only the first lanes floats (masked: the others
-// read as zero, are never written, and fault on no page).
+// The vector of floats of the loops' gate math (forward and backward) and the few operations it needs,
+// for the widest vectors the build has (-march=native).  With `lanes` below kLanes (the last units of a
+// row) load and store touch only the first lanes floats (masked: the others read as zero, are never
+// written, and fault on no page).
 namespace simd {
 #if defined(__AVX512F__)
 using Vec = __m512;
@@ -298,7 +225,128 @@ inline Vec clipped(Vec x, Vec value, float clip) {
 #endif
 }  // namespace simd
 using simd::Vec;
+#endif
 
+// The LSTM's backward through one unit's gate math (seqlib.pointwise's), on floats or on vectors of them
+// (the same operations in the same order: both round alike): from its activations, tanh of its cell, its
+// previous cell and the gradient reaching its output, the gradients of its four pre-activations; d_c moves
+// back a step.
+template <class V>
+inline void lstm_unit_backward(V i, V f, V g, V o, V tanh_c, V c_prev, V d_out, V& d_c, V& d_i, V& d_f, V& d_g,
+                               V& d_o) {
+  const V dc = d_c + d_out * o * (1.0f - tanh_c * tanh_c);
+  d_i = dc * g * i * (1.0f - i);
+  d_f = dc * c_prev * f * (1.0f - f);
+  d_g = dc * i * (1.0f - g * g);
+  d_o = d_out * tanh_c * o * (1.0f - o);
+  d_c = dc * f;
+}
+
+// The GRU's, likewise: from its activations r, z, n, its hidden side's n part, its previous state and the
+// gradient reaching its output, the gradients of r, z, n (the hidden side's n is d_n r) and of the direct path.
+template <class V>
+inline void gru_unit_backward(V reset, V update, V n, V hs_n, V h_prev, V d_out, V& d_r, V& d_z, V& d_n, V& d_h) {
+  d_n = d_out * (1.0f - update) * (1.0f - n * n);
+  d_z = d_out * (h_prev - n) * update * (1.0f - update);
+  d_r = d_n * hs_n * reset * (1.0f - reset);
+  d_h = d_out * update;
+}
+
+// Units [first, end) of a row: body(j, lanes) for each vector of them (the last one partial), or for each
+// unit (lanes 1) where the build has no AVX2.
+template <class Body>
+inline void for_units(int first, int end, Body body) {
+#if defined(__AVX2__) && defined(__FMA__)
+  for (int j = first; j < end; j += simd::kLanes) body(j, std::min(simd::kLanes, end - j));
+#else
+  for (int j = first; j < end; ++j) body(j, 1);
+#endif
+}
+
+// The LSTM's backward through one step's gate math, for units [first, end) of its rows: d_gates (the
+// step's rows of outs[0]) from d_h (the gradient reaching h, rows of d_h0's buffer) and d_c, which moves
+// back a step in place.  ins and outs as lstm_backward's.
+void lstm_gate_backward(const std::vector<mx::array>& ins, std::vector<mx::array>& outs, const Step& step,
+                        const float* d_h, float* d_c, int first, int end) {
+  const int hidden = ins[5].shape(1);
+  for (int r = 0; r < step.rows; ++r) {
+    const int row = step.first + r;
+    const float *a = row_of(ins[1], row), *tanh_cs = row_of(ins[2], row), *c_prev = row_of(ins[3], row);
+    const float* d_output = row_of(ins[4], row);
+    float* d_a = row_of(outs[0], row);
+    const float* d_h_row = d_h + static_cast<size_t>(r) * hidden;
+    float* d_c_row = d_c + static_cast<size_t>(r) * hidden;
+    for_units(first, end, [&](int j, int lanes) {
+#if defined(__AVX2__) && defined(__FMA__)
+      const auto at = [lanes](const float* p) { return simd::load(p, lanes); };
+      const auto put = [lanes](float* p, Vec v) { simd::store(p, v, lanes); };
+      Vec d_c_j = at(d_c_row + j), d_i, d_f, d_g, d_o;
+#else
+      const auto at = [](const float* p) { return *p; };
+      const auto put = [](float* p, float v) { *p = v; };
+      float d_c_j = d_c_row[j], d_i, d_f, d_g, d_o;
+#endif
+      lstm_unit_backward(at(a + j), at(a + hidden + j), at(a + 2 * hidden + j), at(a + 3 * hidden + j),
+                         at(tanh_cs + j), at(c_prev + j), at(d_output + j) + at(d_h_row + j), d_c_j, d_i, d_f, d_g, d_o);
+      put(d_a + j, d_i), put(d_a + hidden + j, d_f), put(d_a + 2 * hidden + j, d_g), put(d_a + 3 * hidden + j, d_o);
+      put(d_c_row + j, d_c_j);
+    });
+  }
+}
+
+// The GRU's backward through one step's gate math, for units [first, end) of its rows: the gradients of
+// its input and hidden sides (outs[0], outs[1]) from d_h, which takes the direct path's part (the
+// recurrent product's is added after).  ins and outs as gru_backward's.
+void gru_gate_backward(const std::vector<mx::array>& ins, std::vector<mx::array>& outs, const Step& step,
+                       float* d_h, int first, int end) {
+  const int hidden = ins[5].shape(1);
+  for (int r = 0; r < step.rows; ++r) {
+    const int row = step.first + r;
+    const float *a = row_of(ins[1], row), *hs = row_of(ins[2], row), *h_prev = row_of(ins[3], row);
+    const float* d_output = row_of(ins[4], row);
+    float* d_input = row_of(outs[0], row);
+    float* d_hidden = row_of(outs[1], row);
+    float* d_h_row = d_h + static_cast<size_t>(r) * hidden;
+    for_units(first, end, [&](int j, int lanes) {
+#if defined(__AVX2__) && defined(__FMA__)
+      const auto at = [lanes](const float* p) { return simd::load(p, lanes); };
+      const auto put = [lanes](float* p, Vec v) { simd::store(p, v, lanes); };
+      Vec d_r, d_z, d_n, d_direct;
+#else
+      const auto at = [](const float* p) { return *p; };
+      const auto put = [](float* p, float v) { *p = v; };
+      float d_r, d_z, d_n, d_direct;
+#endif
+      const auto reset = at(a + j);
+      gru_unit_backward(reset, at(a + hidden + j), at(a + 2 * hidden + j), at(hs + 2 * hidden + j), at(h_prev + j),
+                        at(d_output + j) + at(d_h_row + j), d_r, d_z, d_n, d_direct);
+      put(d_input + j, d_r), put(d_hidden + j, d_r);
+      put(d_input + hidden + j, d_z), put(d_hidden + hidden + j, d_z);
+      put(d_input + 2 * hidden + j, d_n), put(d_hidden + 2 * hidden + j, d_n * reset);
+      put(d_h_row + j, d_direct);  // the direct path
+    });
+  }
+}
+
+// ----------------------------------------------------------------- LSTM and GRU, packed (AVX2 and AVX-512)
+//
+// For a sequence of many steps the recurrent product of each step, h (rows, H) @ w_hh^T (H, G H), is
+// small: OpenBLAS repacks all of w_hh on every call and, for a product this size, spends more time
+// around it than in it.  Here w_hh is packed once per sequence into blocks of kUnits hidden units (one
+// vector: 16 with AVX-512, 8 with AVX2): block b holds, for every k, the weights of units
+// kUnits b .. kUnits (b + 1) - 1 of every gate (LSTM: i, f, g, o, kTile = 4 kUnits columns; GRU: r, z, n
+// and kUnits zero columns, a quarter of its FMAs wasted for the same tile), so one register tile of (up
+// to kRowsPerTile rows) x kTile accumulates all gates of a block's units, and the gate math runs on
+// the tile (the "epilogue"), one vector per gate and row: the gates' products never go through memory.
+// Per k and row the tile broadcasts one h and multiplies it into the kTile columns (tile_product).
+// Used where the build has AVX2 and FMA and runs_packed says so; otherwise the OpenBLAS loops below
+// run.  Same math, other summation order: the results agree with the OpenBLAS loops to float32
+// rounding.  AVX2 and AVX-512 builds give the same bits: each output adds its products in the order
+// of k with one FMA each, and the gate math does the same operations on every lane.
+//
+// The backward's product, d_gates (rows, G H) @ w_hh (G H, H), runs on the same tiles: w_hh packed
+// once per backward into blocks of kTile columns of H (pack_column_blocks), K = G H.
+#if defined(__AVX2__) && defined(__FMA__)
 constexpr int kUnits = simd::kLanes, kTile = 4 * kUnits;  // one block: kUnits units x 4 gates
 constexpr int kRowsPerTile = 6;
 constexpr int kPackedMinSteps = 4;
