@@ -91,9 +91,9 @@ def test_forward_saved_arrays_and_backward_equal_the_ops_path(lengths, hidden_si
 @pytest.mark.parametrize("reverse", [False, True])
 def test_long_sequences_of_many_rows_equal_the_ops_path(hidden_size, reverse):
     """Long enough and wide enough for every form of the forward loop: on AVX2 and AVX-512 the packed one (whole
-    row tiles and partial ones, whole 8-unit blocks and a partial one; at H = 240 a step's product passes 4M
-    multiply-adds and a team of threads shares the blocks), and rows finishing (or, reversed, joining) at
-    different steps."""
+    row tiles and partial ones, whole blocks of a vector of units (8 or 16) and a partial one, masked; at
+    H = 240 a step's product passes 4M multiply-adds and a team of threads shares the blocks), and rows
+    finishing (or, reversed, joining) at different steps."""
     lengths = [12] * 9 + [9] * 5 + [5] * 4 + [1]  # 19 sequences
     check_lstm_against_the_ops_path(lengths, hidden_size, reverse, seed=hidden_size)
 
