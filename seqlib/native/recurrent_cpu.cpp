@@ -491,14 +491,20 @@ inline void tile_product(int rows, const float* a, int lda, int depth, const flo
 // 145 -> 118 ms (2-core Zen 3, AVX2).  With AVX-512's 64 columns, chunks of 128 beat 64 by 5-7% (the product
 // alone, 2-core Sapphire Rapids, 48 KB of L1).
 constexpr int kDepthChunk = 128;
-inline void rows_product(int rows, const float* a, int lda, int depth, const float* block, float* out) {
+// Each tile's rows are finished by its last chunk: epilogue(first row, rows) then runs on them, while they are in
+// L1, and its work (gate math: divides and dependent chains) overlaps the next tile's FMAs in the core.
+template <class Epilogue>
+inline void rows_product(int rows, const float* a, int lda, int depth, const float* block, float* out,
+                         Epilogue epilogue) {
   const int tiles = (rows + kRowsPerTile - 1) / kRowsPerTile;
   for (int k = 0; k < depth; k += kDepthChunk) {
     const int chunk = std::min(kDepthChunk, depth - k);
+    const bool last = k + chunk == depth;
     for (int t = 0; t < tiles; ++t) {
       const int r0 = rows * t / tiles, count = rows * (t + 1) / tiles - r0;
       tile_product(count, a + static_cast<size_t>(r0) * lda + k, lda, chunk, block + static_cast<size_t>(k) * kTile,
                    out + static_cast<size_t>(r0) * kTile, k > 0);
+      if (last) epilogue(r0, count);
     }
   }
 }
@@ -653,14 +659,14 @@ void packed_steps(const Loop& loop, int batch, int hidden, const float* w_hh, co
       for (int b = first_block; b < end_block; ++b) {
         const float* block = packed.data() + static_cast<size_t>(b) * hidden * kTile;
         const int unit = b * kUnits, units = std::min(kUnits, hidden - unit);
-        rows_product(step.rows, current, hidden, hidden, block, products.data());
         const int ahead = coming != nullptr ? coming->rows : 0;  // rows of the next step (more, reversed)
-        for (int r = 0; r < std::max(step.rows, ahead); ++r) {
-          if (r < step.rows) {
+        rows_product(step.rows, current, hidden, hidden, block, products.data(), [&](int first, int count) {
+          for (int r = first; r < first + count; ++r) {
             gate_math(step, r, unit, units, products.data() + static_cast<size_t>(r) * kTile, current, next);
+            if (r < ahead) prefetch_row(row_of(x_gates, coming->first + r) + unit, hidden, gates);
           }
-          if (r < ahead) prefetch_row(row_of(x_gates, coming->first + r) + unit, hidden, gates);
-        }
+        });
+        for (int r = step.rows; r < ahead; ++r) prefetch_row(row_of(x_gates, coming->first + r) + unit, hidden, gates);
       }
       barrier.wait();
       std::swap(current, next);
@@ -767,12 +773,14 @@ void packed_backward_steps(const Loop& loop, int batch, int hidden, const float*
       for (int b = first_block; b < end_block; ++b) {
         const float* block = packed.data() + static_cast<size_t>(b) * depth * kTile;
         const int column = b * kTile, columns = std::min(kTile, hidden - column);
-        rows_product(step->rows, row_of(d_gates, step->first), depth, depth, block, products.data());
-        for (int r = 0; r < step->rows; ++r) {
-          float* target = d_h + static_cast<size_t>(r) * hidden + column;
-          const float* result = products.data() + static_cast<size_t>(r) * kTile;
-          for (int j = 0; j < columns; ++j) target[j] = accumulate ? target[j] + result[j] : result[j];
-        }
+        rows_product(step->rows, row_of(d_gates, step->first), depth, depth, block, products.data(),
+                     [&](int first, int count) {
+                       for (int r = first; r < first + count; ++r) {
+                         float* target = d_h + static_cast<size_t>(r) * hidden + column;
+                         const float* result = products.data() + static_cast<size_t>(r) * kTile;
+                         for (int j = 0; j < columns; ++j) target[j] = accumulate ? target[j] + result[j] : result[j];
+                       }
+                     });
       }
     }
   });
