@@ -65,19 +65,21 @@ namespace {
 
 constexpr int kRowMajor = 101, kNoTrans = 111, kTrans = 112;
 
-// seqlib.activations.fast_tanh: x P(x^2) / Q(x^2), exactly +-1 beyond TANH_CLIP, NaN stays NaN.
-inline float fast_tanh(float x) {
-  const float s = x * x, s2 = s * s, s4 = s2 * s2;
-  const float p = (0.99999999846087562f + 0.13127960818606593f * s) +
-                  s2 * (0.0031534538885072843f + 1.1687376471272515e-05f * s) +
-                  s4 * ((-2.2515741118421894e-08f + 6.4773125632460462e-11f * s) +
-                        s2 * -1.1907169347536057e-13f);
-  const float q = (1.0f + 0.46461292548968347f * s) +
-                  s2 * (0.024691123530499584f + 0.00026190431069089969f * s);
-  const float ratio = x * p / q;
-  constexpr float clip = 7.90531110763549805f;
-  return x > clip ? 1.0f : (x < -clip ? -1.0f : ratio);
+// seqlib.activations.fast_tanh: x P(x^2) / Q(x^2), exactly +-1 beyond kTanhClip, NaN stays NaN.  The ratio on
+// floats or on vectors of them (GCC's vector operators): the same operations in the same order, no FMA, so
+// the scalar and vector loops round alike.
+constexpr float kTanhClip = 7.90531110763549805f;
+template <class V>
+inline V tanh_ratio(V x) {
+  const V s = x * x, s2 = s * s, s4 = s2 * s2;
+  const V p = (0.99999999846087562f + 0.13127960818606593f * s) +
+              s2 * (0.0031534538885072843f + 1.1687376471272515e-05f * s) +
+              s4 * ((-2.2515741118421894e-08f + 6.4773125632460462e-11f * s) + s2 * -1.1907169347536057e-13f);
+  const V q = (1.0f + 0.46461292548968347f * s) + s2 * (0.024691123530499584f + 0.00026190431069089969f * s);
+  return x * p / q;
 }
+
+inline float fast_tanh(float x) { return x > kTanhClip ? 1.0f : (x < -kTanhClip ? -1.0f : tanh_ratio(x)); }
 
 inline float fast_sigmoid(float x) { return 0.5f * fast_tanh(0.5f * x) + 0.5f; }
 
@@ -173,8 +175,8 @@ inline const float* bias_input(const std::vector<mx::array>& ins, size_t at) {
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
 
-// The vector of floats of the loops' gate math (forward and backward) and the few operations it needs,
-// for the widest vectors the build has (-march=native).  With `lanes` below kLanes (the last units of a
+// The vector of floats of the loops' gate math (forward and backward), for the widest vectors the build has
+// (-march=native); arithmetic is GCC's vector operators, and here are the operations those lack.  With `lanes` below kLanes (the last units of a
 // row) load and store touch only the first lanes floats (masked: the others read as zero, are never
 // written, and fault on no page).
 namespace simd {
@@ -189,16 +191,11 @@ inline void store(float* p, Vec v, int lanes = kLanes) {
   if (lanes == kLanes) return _mm512_storeu_ps(p, v);
   _mm512_mask_storeu_ps(p, first(lanes), v);
 }
-inline Vec splat(float value) { return _mm512_set1_ps(value); }
-inline Vec add(Vec a, Vec b) { return _mm512_add_ps(a, b); }
-inline Vec sub(Vec a, Vec b) { return _mm512_sub_ps(a, b); }
-inline Vec mul(Vec a, Vec b) { return _mm512_mul_ps(a, b); }
-inline Vec div(Vec a, Vec b) { return _mm512_div_ps(a, b); }
 // 1 where x > clip, -1 where x < -clip, else value (NaN: neither)
 inline Vec clipped(Vec x, Vec value, float clip) {
-  const __mmask16 high = _mm512_cmp_ps_mask(x, splat(clip), _CMP_GT_OQ);
-  const __mmask16 low = _mm512_cmp_ps_mask(x, splat(-clip), _CMP_LT_OQ);
-  return _mm512_mask_blend_ps(high, _mm512_mask_blend_ps(low, value, splat(-1.0f)), splat(1.0f));
+  const __mmask16 high = _mm512_cmp_ps_mask(x, _mm512_set1_ps(clip), _CMP_GT_OQ);
+  const __mmask16 low = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-clip), _CMP_LT_OQ);
+  return _mm512_mask_blend_ps(high, _mm512_mask_blend_ps(low, value, _mm512_set1_ps(-1.0f)), _mm512_set1_ps(1.0f));
 }
 #else
 using Vec = __m256;
@@ -213,14 +210,10 @@ inline void store(float* p, Vec v, int lanes = kLanes) {
   if (lanes == kLanes) return _mm256_storeu_ps(p, v);
   _mm256_maskstore_ps(p, first(lanes), v);
 }
-inline Vec splat(float value) { return _mm256_set1_ps(value); }
-inline Vec add(Vec a, Vec b) { return _mm256_add_ps(a, b); }
-inline Vec sub(Vec a, Vec b) { return _mm256_sub_ps(a, b); }
-inline Vec mul(Vec a, Vec b) { return _mm256_mul_ps(a, b); }
-inline Vec div(Vec a, Vec b) { return _mm256_div_ps(a, b); }
 inline Vec clipped(Vec x, Vec value, float clip) {
-  const Vec high = _mm256_cmp_ps(x, splat(clip), _CMP_GT_OQ), low = _mm256_cmp_ps(x, splat(-clip), _CMP_LT_OQ);
-  return _mm256_blendv_ps(_mm256_blendv_ps(value, splat(-1.0f), low), splat(1.0f), high);
+  const Vec high = _mm256_cmp_ps(x, _mm256_set1_ps(clip), _CMP_GT_OQ);
+  const Vec low = _mm256_cmp_ps(x, _mm256_set1_ps(-clip), _CMP_LT_OQ);
+  return _mm256_blendv_ps(_mm256_blendv_ps(value, _mm256_set1_ps(-1.0f), low), _mm256_set1_ps(1.0f), high);
 }
 #endif
 }  // namespace simd
@@ -512,27 +505,12 @@ inline void rows_product(int rows, const float* a, int lda, int depth, const flo
 // biased() on a vector: x[k..] (+ bias[k..]), the first `lanes` floats.
 inline Vec load_biased(const float* x, const float* bias, int k, int lanes) {
   const Vec value = simd::load(x + k, lanes);
-  return bias != nullptr ? simd::add(value, simd::load(bias + k, lanes)) : value;
+  return bias != nullptr ? value + simd::load(bias + k, lanes) : value;
 }
 
-// fast_tanh and fast_sigmoid on a vector, with the scalar versions' operations in the same order
-// (multiplies and adds, no FMA), so both round alike.
-inline Vec fast_tanh(Vec x) {
-  using simd::add, simd::mul, simd::splat;
-  const Vec s = mul(x, x), s2 = mul(s, s), s4 = mul(s2, s2);
-  const Vec p = add(add(add(splat(0.99999999846087562f), mul(splat(0.13127960818606593f), s)),
-                        mul(s2, add(splat(0.0031534538885072843f), mul(splat(1.1687376471272515e-05f), s)))),
-                    mul(s4, add(add(splat(-2.2515741118421894e-08f), mul(splat(6.4773125632460462e-11f), s)),
-                                mul(s2, splat(-1.1907169347536057e-13f)))));
-  const Vec q = add(add(splat(1.0f), mul(splat(0.46461292548968347f), s)),
-                    mul(s2, add(splat(0.024691123530499584f), mul(splat(0.00026190431069089969f), s))));
-  return simd::clipped(x, simd::div(mul(x, p), q), 7.90531110763549805f);
-}
-
-inline Vec fast_sigmoid(Vec x) {
-  const Vec half = simd::splat(0.5f);
-  return simd::add(simd::mul(half, fast_tanh(simd::mul(half, x))), half);
-}
+// fast_tanh and fast_sigmoid on a vector: the scalar versions' operations on every lane.
+inline Vec fast_tanh(Vec x) { return simd::clipped(x, tanh_ratio(x), kTanhClip); }
+inline Vec fast_sigmoid(Vec x) { return 0.5f * fast_tanh(0.5f * x) + 0.5f; }
 
 // The LSTM's gate math for `units` (<= kUnits) units of one row: acc holds their four gates' products
 // (i, f, g, o: kUnits each), x their input sides (i at x[0], f at x[H], ...) and bias (the same layout, or
@@ -540,11 +518,11 @@ inline Vec fast_sigmoid(Vec x) {
 // 0, f at H, ...) and tanh_row what the backward reads.
 inline void lstm_gate_math(int units, int hidden, const float* x, const float* bias, const float* acc, float* c,
                            float* h, float* out, float* act, float* tanh_row) {
-  using simd::add, simd::mul, simd::store;
-  const auto at = [&](int gate) { return add(load_biased(x, bias, gate * hidden, units), simd::load(acc + gate * kUnits)); };
+  using simd::store;
+  const auto at = [&](int gate) { return load_biased(x, bias, gate * hidden, units) + simd::load(acc + gate * kUnits); };
   const Vec i = fast_sigmoid(at(0)), f = fast_sigmoid(at(1)), g = fast_tanh(at(2)), o = fast_sigmoid(at(3));
-  const Vec c_new = add(mul(f, simd::load(c, units)), mul(i, g));
-  const Vec tanh_c = fast_tanh(c_new), h_new = mul(o, tanh_c);
+  const Vec c_new = f * simd::load(c, units) + i * g;
+  const Vec tanh_c = fast_tanh(c_new), h_new = o * tanh_c;
   store(c, c_new, units);
   store(h, h_new, units);
   store(out, h_new, units);
@@ -714,13 +692,13 @@ void lstm_forward_packed(std::vector<mx::array>& ins, std::vector<mx::array>& ou
 inline void gru_gate_math(int units, int hidden, const float* x, const float* bias, const float* b_hh,
                           const float* acc, const float* h_prev, float* h, float* out, float* act,
                           float* hidden_side) {
-  using simd::add, simd::mul, simd::store;
-  const auto side = [&](int gate) { return add(simd::load(acc + gate * kUnits), simd::load(b_hh + gate * hidden, units)); };
+  using simd::store;
+  const auto side = [&](int gate) { return simd::load(acc + gate * kUnits) + simd::load(b_hh + gate * hidden, units); };
   const Vec hs_r = side(0), hs_z = side(1), hs_n = side(2);
-  const Vec reset = fast_sigmoid(add(load_biased(x, bias, 0, units), hs_r));
-  const Vec update = fast_sigmoid(add(load_biased(x, bias, hidden, units), hs_z));
-  const Vec n = fast_tanh(add(load_biased(x, bias, 2 * hidden, units), mul(reset, hs_n)));
-  const Vec h_new = add(n, mul(update, simd::sub(simd::load(h_prev, units), n)));
+  const Vec reset = fast_sigmoid(load_biased(x, bias, 0, units) + hs_r);
+  const Vec update = fast_sigmoid(load_biased(x, bias, hidden, units) + hs_z);
+  const Vec n = fast_tanh(load_biased(x, bias, 2 * hidden, units) + reset * hs_n);
+  const Vec h_new = n + update * (simd::load(h_prev, units) - n);
   store(h, h_new, units);
   store(out, h_new, units);
   if (act != nullptr) {
