@@ -42,6 +42,7 @@
 #include <stdexcept>
 #include <string>
 #include <thread>
+#include <type_traits>
 #include <vector>
 
 #include <nanobind/nanobind.h>
@@ -94,36 +95,6 @@ inline void biased_rows(float* pre, const float* x, const float* bias, int rows,
   for (int r = 0; r < rows; ++r) {
     const size_t row = static_cast<size_t>(r) * width;
     for (int k = 0; k < width; ++k) pre[row + k] = biased(x + row, bias, k);
-  }
-}
-
-// One row's LSTM gate math (seqlib.pointwise's): a (4H) holds the row's pre-activations i, f, g, o and
-// becomes their activations; c_row advances in place; h_row and out_row get the new h, tanh_row (where
-// not nullptr) tanh of the new c.
-inline void lstm_row(int hidden, float* a, float* c_row, float* h_row, float* out_row, float* tanh_row) {
-  for (int j = 0; j < hidden; ++j) {
-    const float i = fast_sigmoid(a[j]), f = fast_sigmoid(a[hidden + j]);
-    const float g = fast_tanh(a[2 * hidden + j]), o = fast_sigmoid(a[3 * hidden + j]);
-    const float c_new = f * c_row[j] + i * g;
-    const float tanh_c = fast_tanh(c_new);
-    a[j] = i, a[hidden + j] = f, a[2 * hidden + j] = g, a[3 * hidden + j] = o;
-    c_row[j] = c_new;
-    h_row[j] = out_row[j] = o * tanh_c;
-    if (tanh_row != nullptr) tanh_row[j] = tanh_c;
-  }
-}
-
-// One row's GRU gate math (torch's): x (3H) the input side r, z, n (plus bias, where not nullptr), hs (3H)
-// the hidden side with b_hh; h_row advances in place, out_row gets the new h, a (where not nullptr) the
-// activations r, z, n.
-inline void gru_row(int hidden, const float* x, const float* bias, const float* hs, float* h_row, float* out_row,
-                    float* a) {
-  for (int j = 0; j < hidden; ++j) {
-    const float reset = fast_sigmoid(biased(x, bias, j) + hs[j]);
-    const float update = fast_sigmoid(biased(x, bias, hidden + j) + hs[hidden + j]);
-    const float n = fast_tanh(biased(x, bias, 2 * hidden + j) + reset * hs[2 * hidden + j]);
-    h_row[j] = out_row[j] = n + update * (h_row[j] - n);
-    if (a != nullptr) a[j] = reset, a[hidden + j] = update, a[2 * hidden + j] = n;
   }
 }
 
@@ -191,6 +162,7 @@ inline void store(float* p, Vec v, int lanes = kLanes) {
   if (lanes == kLanes) return _mm512_storeu_ps(p, v);
   _mm512_mask_storeu_ps(p, first(lanes), v);
 }
+inline Vec fma(Vec a, Vec b, Vec c) { return _mm512_fmadd_ps(a, b, c); }  // a b + c, rounded once
 // 1 where x > clip, -1 where x < -clip, else value (NaN: neither)
 inline Vec clipped(Vec x, Vec value, float clip) {
   const __mmask16 high = _mm512_cmp_ps_mask(x, _mm512_set1_ps(clip), _CMP_GT_OQ);
@@ -210,6 +182,7 @@ inline void store(float* p, Vec v, int lanes = kLanes) {
   if (lanes == kLanes) return _mm256_storeu_ps(p, v);
   _mm256_maskstore_ps(p, first(lanes), v);
 }
+inline Vec fma(Vec a, Vec b, Vec c) { return _mm256_fmadd_ps(a, b, c); }
 inline Vec clipped(Vec x, Vec value, float clip) {
   const Vec high = _mm256_cmp_ps(x, _mm256_set1_ps(clip), _CMP_GT_OQ);
   const Vec low = _mm256_cmp_ps(x, _mm256_set1_ps(-clip), _CMP_LT_OQ);
@@ -218,7 +191,31 @@ inline Vec clipped(Vec x, Vec value, float clip) {
 #endif
 }  // namespace simd
 using simd::Vec;
+
+// fast_tanh and fast_sigmoid on a vector: the scalar versions' operations on every lane.
+inline Vec fast_tanh(Vec x) { return simd::clipped(x, tanh_ratio(x), kTanhClip); }
+inline Vec fast_sigmoid(Vec x) { return 0.5f * fast_tanh(0.5f * x) + 0.5f; }
 #endif
+
+// The LSTM's gate math for one unit (seqlib.pointwise's), on floats or on vectors of them (the same
+// operations in the same order: both round alike): the pre-activations i, f, g, o become activations, c
+// advances; returns tanh of the new c (h is o times it).
+template <class V>
+inline V lstm_unit(V& i, V& f, V& g, V& o, V& c) {
+  i = fast_sigmoid(i), f = fast_sigmoid(f), g = fast_tanh(g), o = fast_sigmoid(o);
+  c = f * c + i * g;
+  return fast_tanh(c);
+}
+
+// The GRU's (torch's), likewise: from the input sides x_r, x_z, x_n and the hidden sides (with b_hh) hs_r,
+// hs_z, hs_n, the activations r, z, n; returns the new h.
+template <class V>
+inline V gru_unit(V x_r, V x_z, V x_n, V hs_r, V hs_z, V hs_n, V h_prev, V& reset, V& update, V& n) {
+  reset = fast_sigmoid(x_r + hs_r);
+  update = fast_sigmoid(x_z + hs_z);
+  n = fast_tanh(x_n + reset * hs_n);
+  return n + update * (h_prev - n);
+}
 
 // The LSTM's backward through one unit's gate math (seqlib.pointwise's), on floats or on vectors of them
 // (the same operations in the same order: both round alike): from its activations, tanh of its cell, its
@@ -245,15 +242,59 @@ inline void gru_unit_backward(V reset, V update, V n, V hs_n, V h_prev, V d_out,
   d_h = d_out * update;
 }
 
-// Units [first, end) of a row: body(j, lanes) for each vector of them (the last one partial), or for each
-// unit (lanes 1) where the build has no AVX2.
+// How for_units' body reads and writes the units it is given: a vector's first `lanes` floats (masked), or
+// one float where the build has no AVX2.
+#if defined(__AVX2__) && defined(__FMA__)
+struct Lanes {
+  int lanes;
+  Vec operator()(const float* p) const { return simd::load(p, lanes); }
+  void put(float* p, Vec v) const { simd::store(p, v, lanes); }
+};
+#else
+struct Lanes {
+  float operator()(const float* p) const { return *p; }
+  void put(float* p, float v) const { *p = v; }
+};
+#endif
+
+// Units [first, end) of a row: body(j, at) for each vector of them (the last one partial), or for each unit
+// where the build has no AVX2; at(p) reads the units at p, at.put(p, v) writes them.
 template <class Body>
 inline void for_units(int first, int end, Body body) {
 #if defined(__AVX2__) && defined(__FMA__)
-  for (int j = first; j < end; j += simd::kLanes) body(j, std::min(simd::kLanes, end - j));
+  for (int j = first; j < end; j += simd::kLanes) body(j, Lanes{std::min(simd::kLanes, end - j)});
 #else
-  for (int j = first; j < end; ++j) body(j, 1);
+  for (int j = first; j < end; ++j) body(j, Lanes{});
 #endif
+}
+
+// One row's LSTM gate math: a (4H) holds the row's pre-activations i, f, g, o and becomes their
+// activations; c_row advances in place; h_row and out_row get the new h, tanh_row (where not nullptr)
+// tanh of the new c.
+inline void lstm_row(int hidden, float* a, float* c_row, float* h_row, float* out_row, float* tanh_row) {
+  for_units(0, hidden, [&](int j, Lanes at) {
+    auto i = at(a + j), f = at(a + hidden + j), g = at(a + 2 * hidden + j), o = at(a + 3 * hidden + j);
+    auto c = at(c_row + j);
+    const auto tanh_c = lstm_unit(i, f, g, o, c), h = o * tanh_c;
+    at.put(a + j, i), at.put(a + hidden + j, f), at.put(a + 2 * hidden + j, g), at.put(a + 3 * hidden + j, o);
+    at.put(c_row + j, c), at.put(h_row + j, h), at.put(out_row + j, h);
+    if (tanh_row != nullptr) at.put(tanh_row + j, tanh_c);
+  });
+}
+
+// One row's GRU gate math: x (3H) the input side r, z, n (plus bias, where not nullptr), hs (3H) the
+// hidden side with b_hh; h_row advances in place, out_row gets the new h, a (where not nullptr) the
+// activations r, z, n.
+inline void gru_row(int hidden, const float* x, const float* bias, const float* hs, float* h_row, float* out_row,
+                    float* a) {
+  const auto biased_at = [&](Lanes at, int k) { return bias != nullptr ? at(x + k) + at(bias + k) : at(x + k); };
+  for_units(0, hidden, [&](int j, Lanes at) {
+    decltype(at(x)) reset, update, n;
+    const auto h = gru_unit(biased_at(at, j), biased_at(at, hidden + j), biased_at(at, 2 * hidden + j), at(hs + j),
+                            at(hs + hidden + j), at(hs + 2 * hidden + j), at(h_row + j), reset, update, n);
+    at.put(h_row + j, h), at.put(out_row + j, h);
+    if (a != nullptr) at.put(a + j, reset), at.put(a + hidden + j, update), at.put(a + 2 * hidden + j, n);
+  });
 }
 
 // The LSTM's backward through one step's gate math, for units [first, end) of its rows: d_gates (the
@@ -269,20 +310,13 @@ void lstm_gate_backward(const std::vector<mx::array>& ins, std::vector<mx::array
     float* d_a = row_of(outs[0], row);
     const float* d_h_row = d_h + static_cast<size_t>(r) * hidden;
     float* d_c_row = d_c + static_cast<size_t>(r) * hidden;
-    for_units(first, end, [&](int j, int lanes) {
-#if defined(__AVX2__) && defined(__FMA__)
-      const auto at = [lanes](const float* p) { return simd::load(p, lanes); };
-      const auto put = [lanes](float* p, Vec v) { simd::store(p, v, lanes); };
-      Vec d_c_j = at(d_c_row + j), d_i, d_f, d_g, d_o;
-#else
-      const auto at = [](const float* p) { return *p; };
-      const auto put = [](float* p, float v) { *p = v; };
-      float d_c_j = d_c_row[j], d_i, d_f, d_g, d_o;
-#endif
+    for_units(first, end, [&](int j, Lanes at) {
+      auto d_c_j = at(d_c_row + j);
+      decltype(d_c_j) d_i, d_f, d_g, d_o;
       lstm_unit_backward(at(a + j), at(a + hidden + j), at(a + 2 * hidden + j), at(a + 3 * hidden + j),
                          at(tanh_cs + j), at(c_prev + j), at(d_output + j) + at(d_h_row + j), d_c_j, d_i, d_f, d_g, d_o);
-      put(d_a + j, d_i), put(d_a + hidden + j, d_f), put(d_a + 2 * hidden + j, d_g), put(d_a + 3 * hidden + j, d_o);
-      put(d_c_row + j, d_c_j);
+      at.put(d_a + j, d_i), at.put(d_a + hidden + j, d_f), at.put(d_a + 2 * hidden + j, d_g);
+      at.put(d_a + 3 * hidden + j, d_o), at.put(d_c_row + j, d_c_j);
     });
   }
 }
@@ -300,25 +334,65 @@ void gru_gate_backward(const std::vector<mx::array>& ins, std::vector<mx::array>
     float* d_input = row_of(outs[0], row);
     float* d_hidden = row_of(outs[1], row);
     float* d_h_row = d_h + static_cast<size_t>(r) * hidden;
-    for_units(first, end, [&](int j, int lanes) {
-#if defined(__AVX2__) && defined(__FMA__)
-      const auto at = [lanes](const float* p) { return simd::load(p, lanes); };
-      const auto put = [lanes](float* p, Vec v) { simd::store(p, v, lanes); };
-      Vec d_r, d_z, d_n, d_direct;
-#else
-      const auto at = [](const float* p) { return *p; };
-      const auto put = [](float* p, float v) { *p = v; };
-      float d_r, d_z, d_n, d_direct;
-#endif
+    for_units(first, end, [&](int j, Lanes at) {
       const auto reset = at(a + j);
+      std::remove_const_t<decltype(reset)> d_r, d_z, d_n, d_direct;
       gru_unit_backward(reset, at(a + hidden + j), at(a + 2 * hidden + j), at(hs + 2 * hidden + j), at(h_prev + j),
                         at(d_output + j) + at(d_h_row + j), d_r, d_z, d_n, d_direct);
-      put(d_input + j, d_r), put(d_hidden + j, d_r);
-      put(d_input + hidden + j, d_z), put(d_hidden + hidden + j, d_z);
-      put(d_input + 2 * hidden + j, d_n), put(d_hidden + 2 * hidden + j, d_n * reset);
-      put(d_h_row + j, d_direct);  // the direct path
+      at.put(d_input + j, d_r), at.put(d_hidden + j, d_r);
+      at.put(d_input + hidden + j, d_z), at.put(d_hidden + hidden + j, d_z);
+      at.put(d_input + 2 * hidden + j, d_n), at.put(d_hidden + 2 * hidden + j, d_n * reset);
+      at.put(d_h_row + j, d_direct);  // the direct path
     });
   }
+}
+
+// A spinning thread's hint to the core (x86 pause, Arm yield): let the other hyperthread run, save power.
+inline void spin_pause() {
+#if defined(__x86_64__) || defined(__i386__)
+  __builtin_ia32_pause();
+#elif defined(__aarch64__)
+  asm volatile("yield");
+#endif
+}
+
+// A barrier for a team of threads that meet once per time step: the last to arrive opens the next
+// generation; the others spin briefly (a step is tens of microseconds), then yield the core, so a
+// team never starves a thread it shares a core with.
+class StepBarrier {
+ public:
+  explicit StepBarrier(int count) : count_(count) {}
+  void wait() {
+    if (count_ == 1) return;
+    const int generation = generation_.load(std::memory_order_acquire);
+    if (arrived_.fetch_add(1, std::memory_order_acq_rel) + 1 == count_) {
+      arrived_.store(0, std::memory_order_relaxed);
+      generation_.fetch_add(1, std::memory_order_release);
+      return;
+    }
+    for (int spins = 0; generation_.load(std::memory_order_acquire) == generation; ++spins) {
+      if (spins < (1 << 14)) {
+        spin_pause();
+      } else {
+        sched_yield();
+      }
+    }
+  }
+
+ private:
+  const int count_;
+  std::atomic<int> arrived_{0};
+  std::atomic<int> generation_{0};
+};
+
+// body(thread, threads, barrier) on `threads` threads (this one and threads - 1 new ones), all sharing one barrier.
+template <class Body>
+void run_team(int threads, Body body) {
+  StepBarrier barrier(threads);
+  std::vector<std::thread> pool;
+  for (int t = 1; t < threads; ++t) pool.emplace_back([&, t] { body(t, threads, barrier); });
+  body(0, threads, barrier);
+  for (auto& thread : pool) thread.join();
 }
 
 // ----------------------------------------------------------------- LSTM and GRU, packed (AVX2 and AVX-512)
@@ -508,10 +582,6 @@ inline Vec load_biased(const float* x, const float* bias, int k, int lanes) {
   return bias != nullptr ? value + simd::load(bias + k, lanes) : value;
 }
 
-// fast_tanh and fast_sigmoid on a vector: the scalar versions' operations on every lane.
-inline Vec fast_tanh(Vec x) { return simd::clipped(x, tanh_ratio(x), kTanhClip); }
-inline Vec fast_sigmoid(Vec x) { return 0.5f * fast_tanh(0.5f * x) + 0.5f; }
-
 // The LSTM's gate math for `units` (<= kUnits) units of one row: acc holds their four gates' products
 // (i, f, g, o: kUnits each), x their input sides (i at x[0], f at x[H], ...) and bias (the same layout, or
 // nullptr) what is added to them; c advances in place, h and out get the new h, and where asked act (i at
@@ -520,9 +590,8 @@ inline void lstm_gate_math(int units, int hidden, const float* x, const float* b
                            float* h, float* out, float* act, float* tanh_row) {
   using simd::store;
   const auto at = [&](int gate) { return load_biased(x, bias, gate * hidden, units) + simd::load(acc + gate * kUnits); };
-  const Vec i = fast_sigmoid(at(0)), f = fast_sigmoid(at(1)), g = fast_tanh(at(2)), o = fast_sigmoid(at(3));
-  const Vec c_new = f * simd::load(c, units) + i * g;
-  const Vec tanh_c = fast_tanh(c_new), h_new = o * tanh_c;
+  Vec i = at(0), f = at(1), g = at(2), o = at(3), c_new = simd::load(c, units);
+  const Vec tanh_c = lstm_unit(i, f, g, o, c_new), h_new = o * tanh_c;
   store(c, c_new, units);
   store(h, h_new, units);
   store(out, h_new, units);
@@ -530,45 +599,6 @@ inline void lstm_gate_math(int units, int hidden, const float* x, const float* b
     store(act, i, units), store(act + hidden, f, units), store(act + 2 * hidden, g, units);
     store(act + 3 * hidden, o, units), store(tanh_row, tanh_c, units);
   }
-}
-
-// A barrier for a team of threads that meet once per time step: the last to arrive opens the next
-// generation; the others spin briefly (a step is tens of microseconds), then yield the core, so a
-// team never starves a thread it shares a core with.
-class StepBarrier {
- public:
-  explicit StepBarrier(int count) : count_(count) {}
-  void wait() {
-    if (count_ == 1) return;
-    const int generation = generation_.load(std::memory_order_acquire);
-    if (arrived_.fetch_add(1, std::memory_order_acq_rel) + 1 == count_) {
-      arrived_.store(0, std::memory_order_relaxed);
-      generation_.fetch_add(1, std::memory_order_release);
-      return;
-    }
-    for (int spins = 0; generation_.load(std::memory_order_acquire) == generation; ++spins) {
-      if (spins < (1 << 14)) {
-        _mm_pause();
-      } else {
-        sched_yield();
-      }
-    }
-  }
-
- private:
-  const int count_;
-  std::atomic<int> arrived_{0};
-  std::atomic<int> generation_{0};
-};
-
-// body(thread, threads, barrier) on `threads` threads (this one and threads - 1 new ones), all sharing one barrier.
-template <class Body>
-void run_team(int threads, Body body) {
-  StepBarrier barrier(threads);
-  std::vector<std::thread> pool;
-  for (int t = 1; t < threads; ++t) pool.emplace_back([&, t] { body(t, threads, barrier); });
-  body(0, threads, barrier);
-  for (auto& thread : pool) thread.join();
 }
 
 // How many threads a packed loop shares its blocks among: one where a step's product is too small to repay
@@ -695,10 +725,10 @@ inline void gru_gate_math(int units, int hidden, const float* x, const float* bi
   using simd::store;
   const auto side = [&](int gate) { return simd::load(acc + gate * kUnits) + simd::load(b_hh + gate * hidden, units); };
   const Vec hs_r = side(0), hs_z = side(1), hs_n = side(2);
-  const Vec reset = fast_sigmoid(load_biased(x, bias, 0, units) + hs_r);
-  const Vec update = fast_sigmoid(load_biased(x, bias, hidden, units) + hs_z);
-  const Vec n = fast_tanh(load_biased(x, bias, 2 * hidden, units) + reset * hs_n);
-  const Vec h_new = n + update * (simd::load(h_prev, units) - n);
+  Vec reset, update, n;
+  const Vec h_new = gru_unit(load_biased(x, bias, 0, units), load_biased(x, bias, hidden, units),
+                             load_biased(x, bias, 2 * hidden, units), hs_r, hs_z, hs_n, simd::load(h_prev, units),
+                             reset, update, n);
   store(h, h_new, units);
   store(out, h_new, units);
   if (act != nullptr) {
@@ -1364,7 +1394,11 @@ std::vector<mx::array> rnn_step(const mx::array& x, const mx::array& h0, const s
 // biases[j, g], so x W^T [j] = sum_g scales[j, g] (sum_{k in g} x[k] q[j, k]) + biases[j, g] (sum_{k
 // in g} x[k]): the integers times x exactly as floats, summed in a vector per group, scaled, and the
 // groups' sums of x times the biases added.  It rounds otherwise than the dequantized float product
-// (within float32 rounding of the same sum); the gate math is the float step's.
+// (within float32 rounding of the same sum); the gate math is the float step's.  The integers are
+// converted a vector at a time, the build's widest (16 with AVX-512, 8 with AVX2): the two builds sum in
+// different orders, and one build gives the same bits on any number of threads.  Converting is the
+// cost (about 1 ns per 16 values on one Sapphire Rapids core: widening, conversion and FMA, 3 vector
+// operations per 16 weights), so a step over 1 MB of weights shares its rows among a team.
 
 // A (N, K) matrix as mx.quantize stores it: packed (N, K bits / 32) uint32, value k of a row in bits
 // [bits (k mod 32 / bits), +bits) of word k / (32 / bits); scales and biases (N, K / group_size) float32.
@@ -1374,102 +1408,164 @@ struct QuantizedMatrix {
 };
 
 #if defined(__AVX2__) && defined(__FMA__)
-// 8 values of a row of 8-bit or 4-bit integers, from value k (a multiple of 8) on, as floats.
-inline __m256 quantized_values(const uint8_t* row, int k, int bits) {
-  if (bits == 8) {
-    return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(row + k))));
+// One vector (simd::kLanes) of a row's BITS-bit integers, from value k (a multiple of the width) on, as floats.
+// 4 bits: byte b holds value 2b in its low nibble and 2b + 1 in its high one.
+template <int BITS>
+inline Vec quantized_values(const uint8_t* row, int k) {
+#if defined(__AVX512F__)
+  if constexpr (BITS == 8) {
+    return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row + k))));
+  } else {
+    const __m128i bytes = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(row + k / 2));
+    const __m512i pairs = _mm512_cvtepu8_epi32(_mm_unpacklo_epi8(bytes, bytes));  // b0 b0 b1 b1 ...
+    const __m512i shifted = _mm512_srlv_epi32(pairs, _mm512_set4_epi32(4, 0, 4, 0));
+    return _mm512_cvtepi32_ps(_mm512_and_si512(shifted, _mm512_set1_epi32(15)));
   }
-  uint32_t four;  // 4 bytes, 8 values: byte b holds value 2b in its low nibble and 2b + 1 in its high one
-  std::memcpy(&four, row + k / 2, sizeof(four));
-  const __m128i bytes = _mm_cvtsi32_si128(static_cast<int>(four));
-  const __m256i pairs = _mm256_cvtepu8_epi32(_mm_unpacklo_epi8(bytes, bytes));  // b0 b0 b1 b1 ...
-  const __m256i shifted = _mm256_srlv_epi32(pairs, _mm256_setr_epi32(0, 4, 0, 4, 0, 4, 0, 4));
-  return _mm256_cvtepi32_ps(_mm256_and_si256(shifted, _mm256_set1_epi32(15)));
+#else
+  if constexpr (BITS == 8) {
+    return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(row + k))));
+  } else {
+    uint32_t four;
+    std::memcpy(&four, row + k / 2, sizeof(four));
+    const __m128i bytes = _mm_cvtsi32_si128(static_cast<int>(four));
+    const __m256i pairs = _mm256_cvtepu8_epi32(_mm_unpacklo_epi8(bytes, bytes));  // b0 b0 b1 b1 ...
+    const __m256i shifted = _mm256_srlv_epi32(pairs, _mm256_setr_epi32(0, 4, 0, 4, 0, 4, 0, 4));
+    return _mm256_cvtepi32_ps(_mm256_and_si256(shifted, _mm256_set1_epi32(15)));
+  }
+#endif
 }
 
-inline float horizontal_sum(__m256 v) {
+inline float horizontal_sum(Vec v) {
+#if defined(__AVX512F__)
+  return _mm512_reduce_add_ps(v);
+#else
   const __m128 sum4 = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
   const __m128 sum2 = _mm_add_ps(sum4, _mm_movehl_ps(sum4, sum4));
   return _mm_cvtss_f32(_mm_add_ss(sum2, _mm_shuffle_ps(sum2, sum2, 1)));
-}
 #endif
+}
 
 // Rows [j, j + ROWS) of x_row (K) @ W^T, W quantized, into totals: each x vector loaded once for the rows.
-#if defined(__AVX2__) && defined(__FMA__)
-template <int ROWS>
+// Two chains per row (even and odd vectors of a group) keep 2 ROWS FMAs in flight; a group of an odd
+// number of vectors (16 columns with AVX-512) ends on the even chain.
+template <int BITS, int ROWS>
 inline void quantized_rows(const float* x_row, const uint8_t* rows, int row_bytes, const float* scales, int groups,
-                           int group_size, int bits, float* totals) {
-  __m256 scaled[ROWS];
-  for (int r = 0; r < ROWS; ++r) scaled[r] = _mm256_setzero_ps();
+                           int group_size, float* totals) {
+  constexpr int kLanes = simd::kLanes;
+  Vec scaled[ROWS];
+  for (int r = 0; r < ROWS; ++r) scaled[r] = Vec{};
   for (int g = 0; g < groups; ++g) {
-    __m256 even[ROWS], odd[ROWS];  // two chains per row: 8 FMAs in flight hide their latency
-    for (int r = 0; r < ROWS; ++r) even[r] = odd[r] = _mm256_setzero_ps();
-    for (int k = g * group_size; k < (g + 1) * group_size; k += 16) {
-      const __m256 x_even = _mm256_loadu_ps(x_row + k), x_odd = _mm256_loadu_ps(x_row + k + 8);
+    Vec even[ROWS], odd[ROWS];
+    for (int r = 0; r < ROWS; ++r) even[r] = odd[r] = Vec{};
+    const int end = (g + 1) * group_size;
+    int k = g * group_size;
+    for (; k + 2 * kLanes <= end; k += 2 * kLanes) {
+      const Vec x_even = simd::load(x_row + k), x_odd = simd::load(x_row + k + kLanes);
       for (int r = 0; r < ROWS; ++r) {
         const uint8_t* row = rows + static_cast<size_t>(r) * row_bytes;
-        even[r] = _mm256_fmadd_ps(x_even, quantized_values(row, k, bits), even[r]);
-        odd[r] = _mm256_fmadd_ps(x_odd, quantized_values(row, k + 8, bits), odd[r]);
+        even[r] = simd::fma(x_even, quantized_values<BITS>(row, k), even[r]);
+        odd[r] = simd::fma(x_odd, quantized_values<BITS>(row, k + kLanes), odd[r]);
+      }
+    }
+    if (k < end) {
+      const Vec x_even = simd::load(x_row + k);
+      for (int r = 0; r < ROWS; ++r) {
+        even[r] = simd::fma(x_even, quantized_values<BITS>(rows + static_cast<size_t>(r) * row_bytes, k), even[r]);
       }
     }
     for (int r = 0; r < ROWS; ++r) {
-      const __m256 scale = _mm256_set1_ps(scales[static_cast<size_t>(r) * groups + g]);
-      scaled[r] = _mm256_fmadd_ps(scale, _mm256_add_ps(even[r], odd[r]), scaled[r]);
+      scaled[r] = simd::fma(Vec{} + scales[static_cast<size_t>(r) * groups + g], even[r] + odd[r], scaled[r]);
     }
   }
   for (int r = 0; r < ROWS; ++r) totals[r] = horizontal_sum(scaled[r]);
 }
+
+// Rows [first, end) of x_row @ W^T into totals[0, end - first): four rows at a time, then one.
+template <int BITS>
+inline void quantized_row_range(const float* x_row, const uint8_t* packed, int row_bytes, const float* scales,
+                                int groups, int group_size, int first, int end, float* totals) {
+  int j = first;
+  for (; j + 4 <= end; j += 4) {
+    quantized_rows<BITS, 4>(x_row, packed + static_cast<size_t>(j) * row_bytes, row_bytes,
+                            scales + static_cast<size_t>(j) * groups, groups, group_size, totals + (j - first));
+  }
+  for (; j < end; ++j) {
+    quantized_rows<BITS, 1>(x_row, packed + static_cast<size_t>(j) * row_bytes, row_bytes,
+                            scales + static_cast<size_t>(j) * groups, groups, group_size, totals + (j - first));
+  }
+}
 #endif
 
-// out (B, N) += x (B, K) @ W^T for W quantized.  bits 4 or 8; group_size a multiple of 16.
-void add_quantized_product(const mx::array& x, const QuantizedMatrix& w, float* out) {
-  const int batch = x.shape(0), depth = x.shape(1), width = w.packed.shape(0), groups = depth / w.group_size;
+// Entries [first, end) of out_row (N) += x_row (K) @ W^T, W quantized; x_sums: x_row's sum over each group.
+void add_quantized_rows(const float* x_row, const float* x_sums, const QuantizedMatrix& w, int first, int end,
+                        float* out_row) {
+  const int depth = w.packed.shape(1) * 32 / w.bits, groups = depth / w.group_size;
   const int row_bytes = depth * w.bits / 8;
   const auto* packed = reinterpret_cast<const uint8_t*>(w.packed.data<uint32_t>());
-  const float *scales = w.scales.data<float>(), *biases = w.biases.data<float>(), *xs = x.data<float>();
-  std::vector<float> x_sums(groups);  // sum of one row of x over each group
-  for (int b = 0; b < batch; ++b) {
-    const float* x_row = xs + static_cast<size_t>(b) * depth;
-    float* out_row = out + static_cast<size_t>(b) * width;
-    for (int g = 0; g < groups; ++g) {
-      float sum = 0.0f;
-      for (int k = g * w.group_size; k < (g + 1) * w.group_size; ++k) sum += x_row[k];
-      x_sums[g] = sum;
-    }
-    for (int j = 0; j < width;) {
-      float totals[4];
-      const uint8_t* rows = packed + static_cast<size_t>(j) * row_bytes;
-      const float* scale = scales + static_cast<size_t>(j) * groups;
-      int count = std::min(4, width - j);
+  const float *scales = w.scales.data<float>(), *biases = w.biases.data<float>();
+  std::vector<float> totals(end - first);
 #if defined(__AVX2__) && defined(__FMA__)
-      if (count == 4) {
-        quantized_rows<4>(x_row, rows, row_bytes, scale, groups, w.group_size, w.bits, totals);
-      } else {
-        count = 1;
-        quantized_rows<1>(x_row, rows, row_bytes, scale, groups, w.group_size, w.bits, totals);
-      }
+  if (w.bits == 8) {
+    quantized_row_range<8>(x_row, packed, row_bytes, scales, groups, w.group_size, first, end, totals.data());
+  } else {
+    quantized_row_range<4>(x_row, packed, row_bytes, scales, groups, w.group_size, first, end, totals.data());
+  }
 #else
-      count = 1;
-      const int per_word = 32 / w.bits;
-      totals[0] = 0.0f;
-      for (int g = 0; g < groups; ++g) {
-        float dot = 0.0f;
-        for (int k = g * w.group_size; k < (g + 1) * w.group_size; ++k) {
-          const uint32_t word = reinterpret_cast<const uint32_t*>(rows)[k / per_word];
-          dot += x_row[k] * static_cast<float>((word >> (w.bits * (k % per_word))) & ((1u << w.bits) - 1));
-        }
-        totals[0] += scale[g] * dot;
+  const int per_word = 32 / w.bits;
+  for (int j = first; j < end; ++j) {
+    const auto* words = reinterpret_cast<const uint32_t*>(packed + static_cast<size_t>(j) * row_bytes);
+    float total = 0.0f;
+    for (int g = 0; g < groups; ++g) {
+      float dot = 0.0f;
+      for (int k = g * w.group_size; k < (g + 1) * w.group_size; ++k) {
+        dot += x_row[k] * static_cast<float>((words[k / per_word] >> (w.bits * (k % per_word))) & ((1u << w.bits) - 1));
       }
+      total += scales[static_cast<size_t>(j) * groups + g] * dot;
+    }
+    totals[j - first] = total;
+  }
 #endif
-      for (int r = 0; r < count; ++r) {
-        const float* bias = biases + static_cast<size_t>(j + r) * groups;
-        float total = totals[r];
-        for (int g = 0; g < groups; ++g) total += bias[g] * x_sums[g];
-        out_row[j + r] += total;
-      }
-      j += count;
+  for (int j = first; j < end; ++j) {
+    const float* bias = biases + static_cast<size_t>(j) * groups;
+    float total = totals[j - first];
+    for (int g = 0; g < groups; ++g) total += bias[g] * x_sums[g];
+    out_row[j] += total;
+  }
+}
+
+// A step's products on quantized weights, each out (B, N) += x (B, K) @ W^T, all into one out in the order
+// given (every W has N rows).  At batch 1 a step is bound by reading its weights: where they pass
+// kTeamMinQuantizedBytes a team of threads shares the N rows, each thread the same rows at every step,
+// so that each core's share can stay in its own L2 (on a 2-core Xeon with 2 MB of L2 per core, LSTM H =
+// 512 at 8 bits, 2.3 MB per step: the products went from streaming L3 at ~15 GB/s on one core to each
+// core's half read from its L2).  Each output entry is summed by one thread in one order: any team size
+// gives the same bits.
+constexpr size_t kTeamMinQuantizedBytes = size_t{1} << 20;
+void add_quantized_products(const std::vector<std::pair<mx::array, const QuantizedMatrix*>>& products, float* out) {
+  const int width = products.front().second->packed.shape(0);
+  size_t bytes = 0;
+  std::vector<std::vector<float>> x_sums;  // per product, (B, groups): each row of x summed over each group
+  for (const auto& [x, w] : products) {
+    bytes += w->packed.nbytes() + w->scales.nbytes() + w->biases.nbytes();
+    const int batch = x.shape(0), depth = x.shape(1), groups = depth / w->group_size;
+    std::vector<float>& sums = x_sums.emplace_back(static_cast<size_t>(batch) * groups, 0.0f);
+    const float* xs = x.data<float>();
+    for (size_t b = 0; b < static_cast<size_t>(batch); ++b) {
+      for (int k = 0; k < depth; ++k) sums[b * groups + k / w->group_size] += xs[b * depth + k];
     }
   }
+  const int threads = bytes < kTeamMinQuantizedBytes ? 1 : std::min(seqlib_cpu::thread_budget(), width / 64);
+  run_team(std::max(threads, 1), [&](int thread, int team, StepBarrier&) {
+    const int quads = width / 4;  // rows split in fours (quantized_rows' blocks); the last thread takes the rest
+    const int first = 4 * (quads * thread / team), end = thread + 1 == team ? width : 4 * (quads * (thread + 1) / team);
+    for (size_t p = 0; p < products.size(); ++p) {
+      const auto& [x, w] = products[p];
+      const size_t depth = x.shape(1), groups = depth / w->group_size;
+      for (size_t b = 0; b < static_cast<size_t>(x.shape(0)); ++b) {
+        add_quantized_rows(x.data<float>() + b * depth, x_sums[p].data() + b * groups, *w, first, end, out + b * width);
+      }
+    }
+  });
 }
 
 // The quantized matrix at weights[at..at+3) (packed, scales, biases), checked against (rows, columns).
@@ -1511,6 +1607,7 @@ std::vector<mx::array> quantized_step(const std::string& kind, const mx::array& 
                                       const std::vector<OptionalArray>& weights, int group_size, int bits) {
   const auto fail = [](const std::string& what) { throw std::invalid_argument("quantized_step: " + what); };
   const int gate_blocks = kind == "lstm" ? 4 : kind == "gru" ? 3 : (kind == "rnn_tanh" || kind == "rnn_relu") ? 1 : 0;
+  const bool gru = kind == "gru";
   if (gate_blocks == 0) fail("kind: expected 'lstm', 'gru', 'rnn_tanh' or 'rnn_relu', got '" + kind + "'");
   if (bits != 4 && bits != 8) fail("bits: expected 4 or 8, got " + std::to_string(bits));
   if (group_size < 16 || group_size % 16 != 0) {
@@ -1548,18 +1645,19 @@ std::vector<mx::array> quantized_step(const std::string& kind, const mx::array& 
     copy_rows(h_prev.data<float>(), given[0].data<float>() + layer * layer_floats, batch, hidden);
     // input side: b_ih (+ b_hh, but not the GRU's, which stays inside r * (...)) + x W_ih^T
     std::vector<float> input(static_cast<size_t>(batch) * gates, 0.0f), hidden_side(input.size(), 0.0f);
-    for (int r = 0; r < batch; ++r) {
+    const float* input_bias = b_ih ? b_ih->data<float>() : nullptr;
+    const float* hidden_bias = b_hh ? b_hh->data<float>() : nullptr;
+    for (size_t r = 0; r < static_cast<size_t>(batch); ++r) {
       for (int j = 0; j < gates; ++j) {
-        input[static_cast<size_t>(r) * gates + j] = (b_ih ? b_ih->data<float>()[j] : 0.0f) +
-                                                    (b_hh && kind != "gru" ? b_hh->data<float>()[j] : 0.0f);
-        if (b_hh && kind == "gru") hidden_side[static_cast<size_t>(r) * gates + j] = b_hh->data<float>()[j];
+        input[r * gates + j] = (input_bias ? input_bias[j] : 0.0f) + (hidden_bias && !gru ? hidden_bias[j] : 0.0f);
+        if (hidden_bias && gru) hidden_side[r * gates + j] = hidden_bias[j];
       }
     }
-    add_quantized_product(rows, w_ih, input.data());
     float* out = output.data<float>();
     float* h_new = finals[0].data<float>() + layer * layer_floats;
-    if (kind == "gru") {
-      add_quantized_product(h_prev, w_hh, hidden_side.data());
+    if (gru) {
+      add_quantized_products({{rows, &w_ih}}, input.data());
+      add_quantized_products({{h_prev, &w_hh}}, hidden_side.data());
       for (int r = 0; r < batch; ++r) {
         gru_row(hidden, input.data() + static_cast<size_t>(r) * gates, nullptr,
                 hidden_side.data() + static_cast<size_t>(r) * gates,
@@ -1567,7 +1665,7 @@ std::vector<mx::array> quantized_step(const std::string& kind, const mx::array& 
       }
       copy_rows(h_new, out, batch, hidden);
     } else {
-      add_quantized_product(h_prev, w_hh, input.data());  // the recurrent side joins the input side
+      add_quantized_products({{rows, &w_ih}, {h_prev, &w_hh}}, input.data());  // the recurrent side joins the input side
       if (kind == "lstm") {
         float* c = finals[1].data<float>() + layer * layer_floats;
         copy_rows(c, given[1].data<float>() + layer * layer_floats, batch, hidden);
