@@ -80,10 +80,14 @@ def _build_shim(openblas_dir: str) -> Path:
 
 #: How long OpenBLAS's idle workers spin after a threaded call before they sleep, as a power of two of
 #: cycles (OpenBLAS's own default is 2**28, about a tenth of a second).  seqlib.native's time loops start
-#: right after MLX's input product and share their steps among threads of their own: a worker spinning
-#: that long holds the core they need (on 2 cores an LSTM layer's loop ran 1.5-2x slower).  2**20 cycles
-#: (a few hundred microseconds) still carries the workers across the back-to-back calls of a loop.
-OPENBLAS_WORKER_SPIN = 20
+#: right after MLX's input product and share their steps among threads of their own: a worker still
+#: spinning holds a core they need, and the team then waits at every step for the thread that shares it
+#: (whole scheduler slices, not just the spin).  On a 2-core Sapphire Rapids, one LSTM layer's forward at
+#: (T, B, H) = (32, 64, 128), 60 runs: median 16.9 ms spinning 2**28, 5.4 at 2**20, 3.7 at 2**16 to 2**8;
+#: python -m seqlib.bench's training step at H = 128, 2**20 -> 2**14: 49-52 -> 43-45 ms (two alternated
+#: processes each), the large-batch LSTM forwards 5-10% faster, nothing slower.  2**14 cycles (a few
+#: microseconds) still carries the workers across MLX's back-to-back products.
+OPENBLAS_WORKER_SPIN = 14
 
 
 @contextmanager
