@@ -15,7 +15,10 @@ Three tables:
 4. Training a whole model: chapter 13's character model (Embedding(97, 32), a 2-layer
    LSTM, a Linear head, cross-entropy, Adam; B = 64, L = 32), one training step, the
    MLX step compiled as MLX programs run it (``mx.compile`` with the model's and the
-   optimizer's state) and eager, against the same model in torch from the same weights.
+   optimizer's state) and eager, against the same model in torch from the same weights;
+   then the step's three parts against torch's (the LSTM layers' forward and backward, which
+   are seqlib's; the head and cross-entropy, and the Adam update, which are MLX's), to show
+   which of them the whole step's ratio comes from.
 
 Implementations:
 
@@ -521,8 +524,8 @@ def _mlx_training_step(hidden_size: int, compiled: bool):
     return model, run
 
 
-def _torch_training_step(model: _CharModel):
-    """The same model in torch, from ``model``'s weights, with Adam: a function running one step (the loss)."""
+def _torch_char_model(model: _CharModel):
+    """torch's Embedding, LSTM and Linear with ``model``'s weights."""
     import torch
 
     embedding = torch.nn.Embedding(CHAR_VOCAB, CHAR_EMBEDDING)
@@ -534,6 +537,14 @@ def _torch_training_step(model: _CharModel):
                                    for name, value in model.recurrent.torch_state_dict().items()})  # fmt: skip
         head.weight.copy_(torch.from_numpy(np.array(model.head.weight)))
         head.bias.copy_(torch.from_numpy(np.array(model.head.bias)))
+    return embedding, recurrent, head
+
+
+def _torch_training_step(model: _CharModel):
+    """The same model in torch, from ``model``'s weights, with Adam: a function running one step (the loss)."""
+    import torch
+
+    embedding, recurrent, head = _torch_char_model(model)
     parameters = [*embedding.parameters(), *recurrent.parameters(), *head.parameters()]
     optimizer = torch.optim.Adam(parameters, lr=1e-3)
 
@@ -548,11 +559,16 @@ def _torch_training_step(model: _CharModel):
     return run
 
 
+def _char_batch() -> tuple[np.ndarray, np.ndarray]:
+    """The benchmark's (B, L) input ids and targets."""
+    rng = np.random.default_rng(0)
+    ids = rng.integers(0, CHAR_VOCAB, (CHAR_BATCH, CHAR_WINDOW)).astype(np.int32)
+    return ids, rng.integers(0, CHAR_VOCAB, (CHAR_BATCH, CHAR_WINDOW)).astype(np.int32)
+
+
 def training_step_case(hidden_size: int) -> Case:
     """One training step of the character model: seqlib compiled and eager, torch; the first steps' losses agree."""
-    rng = np.random.default_rng(0)
-    ids_np = rng.integers(0, CHAR_VOCAB, (CHAR_BATCH, CHAR_WINDOW)).astype(np.int32)
-    targets_np = rng.integers(0, CHAR_VOCAB, (CHAR_BATCH, CHAR_WINDOW)).astype(np.int32)
+    ids_np, targets_np = _char_batch()
     ids, targets = mx.array(ids_np), mx.array(targets_np)
     model, compiled = _mlx_training_step(hidden_size, compiled=True)
     _, eager = _mlx_training_step(hidden_size, compiled=False)
@@ -579,6 +595,84 @@ def training_step_case(hidden_size: int) -> Case:
     )
 
 
+def training_parts_cases(hidden_size: int) -> list[Case]:
+    """The training step in three parts, each against torch's from the same weights and inputs: the LSTM
+    layers' forward and backward (seqlib's; the weights' gradients, on fixed embeddings, for the loss
+    ``sum(output * w)``), the head and the loss forward and backward (MLX's Linear and cross_entropy; the
+    gradients of the head's weights and of its input) and one Adam update (MLX's, compiled, on fixed
+    gradients).  Only the first part is seqlib's code; the parts show where the whole step's ratio comes from."""
+    import mlx.optimizers
+    from mlx.utils import tree_flatten
+
+    mx.random.seed(0)
+    model = _CharModel(hidden_size)
+    ids_np, targets_np = _char_batch()
+    targets = mx.array(targets_np)
+    embedded = model.embedding(mx.array(ids_np))
+    outputs = model.recurrent(embedded)[0]
+    weights = mx.array(np.random.default_rng(1).uniform(-1, 1, outputs.shape).astype(np.float32))
+    grads = mlx.nn.value_and_grad(model, _char_loss)(model, mx.array(ids_np), targets)[1]
+    mx.eval(model.parameters(), embedded, outputs, weights, grads)
+    layers_grad = mlx.nn.value_and_grad(model.recurrent, lambda layers, x: (layers(x)[0] * weights).sum())
+
+    def head_loss(weight, bias, x):
+        return mlx.nn.losses.cross_entropy(mx.addmm(bias, x, weight.T), targets, reduction="mean")
+
+    head_grad = mx.value_and_grad(head_loss, argnums=(0, 1, 2))
+    optimizer = mlx.optimizers.Adam(learning_rate=1e-3)
+    state = [model.state, optimizer.state]
+    update = mx.compile(lambda g: optimizer.update(model, g), inputs=state, outputs=state)
+
+    def layers_ours():
+        loss, layer_grads = layers_grad(model.recurrent, embedded)
+        mx.eval(loss, layer_grads)
+        return loss.item()
+
+    def head_ours():
+        loss, head_grads = head_grad(model.head.weight, model.head.bias, outputs)
+        mx.eval(loss, head_grads)
+        return loss.item()
+
+    def update_ours():
+        update(grads)
+        mx.eval(state)
+
+    parts = {"LSTM layers forward+backward (seqlib)": {"seqlib": layers_ours},
+             "head and cross-entropy forward+backward (MLX)": {"seqlib": head_ours},
+             "Adam update (MLX, compiled)": {"seqlib": update_ours}}  # fmt: skip
+    if HAVE_TORCH:
+        import torch
+
+        _, recurrent, head = _torch_char_model(model)
+        embedded_t, weights_t = torch.from_numpy(np.array(embedded)), torch.from_numpy(np.array(weights))
+        outputs_t, targets_t = torch.from_numpy(np.array(outputs)), torch.from_numpy(targets_np.astype(np.int64))
+        parameters = [torch.nn.Parameter(torch.from_numpy(np.array(value))) for _, value in tree_flatten(grads)]
+        for parameter, (_, value) in zip(parameters, tree_flatten(grads), strict=True):
+            parameter.grad = torch.from_numpy(np.array(value))
+        adam = torch.optim.Adam(parameters, lr=1e-3)
+
+        def layers_theirs():
+            recurrent.zero_grad()
+            loss = (recurrent(embedded_t)[0] * weights_t).sum()
+            loss.backward()
+            return loss.item()
+
+        def head_theirs():
+            head.zero_grad()
+            x = outputs_t.detach().requires_grad_()
+            loss = torch.nn.functional.cross_entropy(head(x).reshape(-1, CHAR_VOCAB), targets_t.reshape(-1))
+            loss.backward()
+            return loss.item()
+
+        parts["LSTM layers forward+backward (seqlib)"]["torch"] = layers_theirs
+        parts["head and cross-entropy forward+backward (MLX)"]["torch"] = head_theirs
+        parts["Adam update (MLX, compiled)"]["torch"] = adam.step
+    relative = lambda a, b: abs(a - b) / max(abs(a), 1e-30)  # the losses, from the same weights
+    return [Case(name=f"{name}, H={hidden_size}", implementations=implementations,
+                 check=relative if "update" not in name else None, tolerance=1e-4)
+            for name, implementations in parts.items()]  # fmt: skip
+
+
 def print_training_steps(widths=TRAINING_WIDTHS, repeats: int = 21, machine=None) -> list[dict]:
     """Time one training step per width (the first call of each compiles or warms it; every implementation's
     first step is checked against the first's loss); print the table and the ratios to torch."""
@@ -591,4 +685,13 @@ def print_training_steps(widths=TRAINING_WIDTHS, repeats: int = 21, machine=None
         if "torch" in times:
             print(f"  H={hidden_size}: seqlib compiled / torch x{times['seqlib (compiled)'] / times['torch']:.2f}, "
                   f"eager / torch x{times['seqlib (eager)'] / times['torch']:.2f}")  # fmt: skip
+        part_rows = run_cases(training_parts_cases(hidden_size), repeats=repeats, warmup=2, show=False)
+        print(f"  H={hidden_size}, the step's parts, ms (seqlib or MLX / torch):")
+        for case in dict.fromkeys(row["case"] for row in part_rows):
+            times = {row["implementation"]: row["median_ms"] for row in part_rows if row["case"] == case}
+            line = f"    {case.rsplit(',', 1)[0]:<48} {times['seqlib']:8.2f}"
+            if "torch" in times:
+                line += f" / {times['torch']:8.2f}   x{times['seqlib'] / times['torch']:.2f}"
+            print(line)
+        rows += part_rows
     return rows
