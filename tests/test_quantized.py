@@ -217,3 +217,49 @@ def test_the_quantized_step_refuses_malformed_arrays_with_a_clear_error():
         step("lstm", x, [h, h], [*weights[:7], mx.zeros((3,))], 64, 8)
     with pytest.raises(ValueError, match="x and the states differ in batch size"):
         step("lstm", mx.zeros((2, 64)), [h, h], weights, 64, 8)
+
+
+def _packed(levels: np.ndarray, bits: int) -> np.ndarray:
+    """(N, K) integers below 2**bits packed as mx.quantize packs them: value k of a row in bits
+    [bits (k mod 32 / bits), + bits) of uint32 word k / (32 / bits)."""
+    per_word = 32 // bits
+    shifts = (bits * np.arange(per_word, dtype=np.uint32))[None, None, :]
+    words = levels.astype(np.uint32).reshape(levels.shape[0], -1, per_word) << shifts
+    return np.bitwise_or.reduce(words, axis=2).astype(np.uint32)
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_the_packing_helper_packs_as_mx_quantize_does(bits):
+    weight = mx.random.normal((8, 64), key=mx.random.key(3))
+    packed, scales, biases = mx.quantize(weight, 32, bits)
+    dequantized = np.array(mx.dequantize(packed, scales, biases, group_size=32, bits=bits))
+    spread = np.repeat(np.array(scales), 32, axis=1), np.repeat(np.array(biases), 32, axis=1)
+    levels = np.rint((dequantized - spread[1]) / spread[0]).astype(np.int64)
+    assert levels.min() >= 0 and levels.max() < 2**bits
+    np.testing.assert_array_equal(_packed(levels, bits), np.array(packed))
+
+
+@pytest.mark.skipif(not native.available(), reason="the quantized step is seqlib.native's")
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("group_size", [16, 48])
+def test_the_quantized_step_reads_groups_of_an_odd_number_of_vectors(group_size, bits):
+    """Groups of 16 or 48 columns (mx.quantize makes 32, 64 and 128; the step takes any multiple of 16) are an
+    odd number of vectors where they hold 16 floats: the step sums the last one on its own."""
+    rng = np.random.default_rng(group_size + bits)
+    input_size, hidden = 96, 48
+    reference = seqlib.nn.LSTMCell(input_size, hidden)
+    weights = []
+    for name, columns in (("weight_ih", input_size), ("weight_hh", hidden)):
+        levels = rng.integers(0, 2**bits, size=(4 * hidden, columns))
+        scales = rng.uniform(0.001, 0.01, size=(4 * hidden, columns // group_size)).astype(np.float32)
+        biases = rng.uniform(-0.1, 0.1, size=scales.shape).astype(np.float32)
+        spread = np.repeat(scales, group_size, axis=1), np.repeat(biases, group_size, axis=1)
+        reference[name] = mx.array(spread[0] * levels.astype(np.float32) + spread[1])
+        weights += [mx.array(_packed(levels, bits)), mx.array(scales), mx.array(biases)]
+    weights += [reference.bias_ih, reference.bias_hh]
+    x = mx.array(rng.standard_normal((3, input_size)).astype(np.float32))
+    h, c = (mx.array(rng.standard_normal((3, hidden)).astype(np.float32)) for _ in range(2))
+    got = native.extension().quantized_step("lstm", x, [h, c], weights, group_size, bits)
+    want = reference(x, (h, c))
+    for mine, theirs in zip(got[1:], want, strict=True):
+        np.testing.assert_allclose(np.array(mine), np.array(theirs), rtol=1e-5, atol=2e-6)

@@ -823,7 +823,7 @@ bool runs_packed_backward(const Loop& loop) { return static_cast<int>(loop.steps
 
 // Whether a forward runs on packed weights: enough steps to repay the packing, and for the GRU (a quarter
 // of its tile's FMAs are the zero slot's) a team of threads to run it.  Measured in a layer on a 2-core
-// Zen 3 (AVX2), OpenBLAS's workers spinning for 2^20 cycles: the LSTM packed ahead at every size, from
+// Zen 3 (AVX2), OpenBLAS's workers then spinning for 2^20 cycles: the LSTM packed ahead at every size, from
 // (B, H) = (1, 256) to (20, 650); the GRU packed on two threads ahead from (64, 128) to (20, 650), on
 // one thread behind at (1, 256).
 bool runs_packed(const Loop& loop, int batch, int hidden, int gate_count) {
@@ -1398,7 +1398,7 @@ std::vector<mx::array> rnn_step(const mx::array& x, const mx::array& h0, const s
 // converted a vector at a time, the build's widest (16 with AVX-512, 8 with AVX2): the two builds sum in
 // different orders, and one build gives the same bits on any number of threads.  Converting is the
 // cost (about 1 ns per 16 values on one Sapphire Rapids core: widening, conversion and FMA, 3 vector
-// operations per 16 weights), so a step over 1 MB of weights shares its rows among a team.
+// operations per 16 weights), so a product over 1 MB of weights shares its rows among a team.
 
 // A (N, K) matrix as mx.quantize stores it: packed (N, K bits / 32) uint32, value k of a row in bits
 // [bits (k mod 32 / bits), +bits) of word k / (32 / bits); scales and biases (N, K / group_size) float32.
@@ -1447,7 +1447,7 @@ inline float horizontal_sum(Vec v) {
 
 // Rows [j, j + ROWS) of x_row (K) @ W^T, W quantized, into totals: each x vector loaded once for the rows.
 // Two chains per row (even and odd vectors of a group) keep 2 ROWS FMAs in flight; a group of an odd
-// number of vectors (16 columns with AVX-512) ends on the even chain.
+// number of vectors (an odd multiple of 16 columns with AVX-512) ends on the even chain.
 template <int BITS, int ROWS>
 inline void quantized_rows(const float* x_row, const uint8_t* rows, int row_bytes, const float* scales, int groups,
                            int group_size, float* totals) {
@@ -1533,14 +1533,15 @@ void add_quantized_rows(const float* x_row, const float* x_sums, const Quantized
   }
 }
 
-// A step's products on quantized weights, each out (B, N) += x (B, K) @ W^T, all into one out in the order
-// given (every W has N rows).  At batch 1 a step is bound by reading its weights: where they pass
-// kTeamMinQuantizedBytes a team of threads shares the N rows, each thread the same rows at every step,
-// so that each core's share can stay in its own L2 (on a 2-core Xeon with 2 MB of L2 per core, LSTM H =
-// 512 at 8 bits, 2.3 MB per step: the products went from streaming L3 at ~15 GB/s on one core to each
-// core's half read from its L2).  Each output entry is summed by one thread in one order: any team size
+// Products on quantized weights, each out (B, N) += x (B, K) @ W^T, all into one out in the order given
+// (every W has N rows).  At batch 1 a step is bound by converting and reading its weights: a team of
+// threads shares the N rows, one thread per kQuantizedBytesPerThread of the call's weights (a thread is
+// started per call: tens of microseconds), so that weights of 1 MB or more are shared.  Each thread takes
+// the same rows at every step, and where the system keeps the threads on their cores each core's share
+// stays in its own L2.  LSTMCell H = 512 at 8 bits (2.3 MB a step) on a 2-core Sapphire Rapids: the step
+// alone 170-250 -> 130-160 us.  Each output entry is summed by one thread in one order: any team size
 // gives the same bits.
-constexpr size_t kTeamMinQuantizedBytes = size_t{1} << 20;
+constexpr size_t kQuantizedBytesPerThread = size_t{1} << 19;
 void add_quantized_products(const std::vector<std::pair<mx::array, const QuantizedMatrix*>>& products, float* out) {
   const int width = products.front().second->packed.shape(0);
   size_t bytes = 0;
@@ -1554,8 +1555,8 @@ void add_quantized_products(const std::vector<std::pair<mx::array, const Quantiz
       for (int k = 0; k < depth; ++k) sums[b * groups + k / w->group_size] += xs[b * depth + k];
     }
   }
-  const int threads = bytes < kTeamMinQuantizedBytes ? 1 : std::min(seqlib_cpu::thread_budget(), width / 64);
-  run_team(std::max(threads, 1), [&](int thread, int team, StepBarrier&) {
+  const int wanted = static_cast<int>(std::min<size_t>(bytes / kQuantizedBytesPerThread, width / 64));
+  run_team(std::clamp(wanted, 1, seqlib_cpu::thread_budget()), [&](int thread, int team, StepBarrier&) {
     const int quads = width / 4;  // rows split in fours (quantized_rows' blocks); the last thread takes the rest
     const int first = 4 * (quads * thread / team), end = thread + 1 == team ? width : 4 * (quads * (thread + 1) / team);
     for (size_t p = 0; p < products.size(); ++p) {
