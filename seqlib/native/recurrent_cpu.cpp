@@ -147,9 +147,9 @@ inline const float* bias_input(const std::vector<mx::array>& ins, size_t at) {
 #include <immintrin.h>
 
 // The vector of floats of the loops' gate math (forward and backward), for the widest vectors the build has
-// (-march=native); arithmetic is GCC's vector operators, and here are the operations those lack.  With `lanes` below kLanes (the last units of a
-// row) load and store touch only the first lanes floats (masked: the others read as zero, are never
-// written, and fault on no page).
+// (-march=native); arithmetic is GCC's vector operators, and here are the operations those lack.  With
+// `lanes` below kLanes (the last units of a row) load and store touch only the first lanes floats (masked:
+// the others read as zero, are never written, and fault on no page).
 namespace simd {
 #if defined(__AVX512F__)
 using Vec = __m512;
@@ -257,6 +257,13 @@ struct Lanes {
 };
 #endif
 
+// biased() through a Lanes reader: x[k..] (+ bias[k..] where there is a bias).
+template <class At>
+inline auto biased_at(At at, const float* x, const float* bias, int k) {
+  const auto value = at(x + k);
+  return bias != nullptr ? value + at(bias + k) : value;
+}
+
 // Units [first, end) of a row: body(j, at) for each vector of them (the last one partial), or for each unit
 // where the build has no AVX2; at(p) reads the units at p, at.put(p, v) writes them.
 template <class Body>
@@ -287,11 +294,11 @@ inline void lstm_row(int hidden, float* a, float* c_row, float* h_row, float* ou
 // activations r, z, n.
 inline void gru_row(int hidden, const float* x, const float* bias, const float* hs, float* h_row, float* out_row,
                     float* a) {
-  const auto biased_at = [&](Lanes at, int k) { return bias != nullptr ? at(x + k) + at(bias + k) : at(x + k); };
   for_units(0, hidden, [&](int j, Lanes at) {
     decltype(at(x)) reset, update, n;
-    const auto h = gru_unit(biased_at(at, j), biased_at(at, hidden + j), biased_at(at, 2 * hidden + j), at(hs + j),
-                            at(hs + hidden + j), at(hs + 2 * hidden + j), at(h_row + j), reset, update, n);
+    const auto h = gru_unit(biased_at(at, x, bias, j), biased_at(at, x, bias, hidden + j),
+                            biased_at(at, x, bias, 2 * hidden + j), at(hs + j), at(hs + hidden + j),
+                            at(hs + 2 * hidden + j), at(h_row + j), reset, update, n);
     at.put(h_row + j, h), at.put(out_row + j, h);
     if (a != nullptr) at.put(a + j, reset), at.put(a + hidden + j, update), at.put(a + 2 * hidden + j, n);
   });
@@ -576,12 +583,6 @@ inline void rows_product(int rows, const float* a, int lda, int depth, const flo
   }
 }
 
-// biased() on a vector: x[k..] (+ bias[k..]), the first `lanes` floats.
-inline Vec load_biased(const float* x, const float* bias, int k, int lanes) {
-  const Vec value = simd::load(x + k, lanes);
-  return bias != nullptr ? value + simd::load(bias + k, lanes) : value;
-}
-
 // The LSTM's gate math for `units` (<= kUnits) units of one row: acc holds their four gates' products
 // (i, f, g, o: kUnits each), x their input sides (i at x[0], f at x[H], ...) and bias (the same layout, or
 // nullptr) what is added to them; c advances in place, h and out get the new h, and where asked act (i at
@@ -589,7 +590,9 @@ inline Vec load_biased(const float* x, const float* bias, int k, int lanes) {
 inline void lstm_gate_math(int units, int hidden, const float* x, const float* bias, const float* acc, float* c,
                            float* h, float* out, float* act, float* tanh_row) {
   using simd::store;
-  const auto at = [&](int gate) { return load_biased(x, bias, gate * hidden, units) + simd::load(acc + gate * kUnits); };
+  const auto at = [&](int gate) {
+    return biased_at(Lanes{units}, x, bias, gate * hidden) + simd::load(acc + gate * kUnits);
+  };
   Vec i = at(0), f = at(1), g = at(2), o = at(3), c_new = simd::load(c, units);
   const Vec tanh_c = lstm_unit(i, f, g, o, c_new), h_new = o * tanh_c;
   store(c, c_new, units);
@@ -726,9 +729,9 @@ inline void gru_gate_math(int units, int hidden, const float* x, const float* bi
   const auto side = [&](int gate) { return simd::load(acc + gate * kUnits) + simd::load(b_hh + gate * hidden, units); };
   const Vec hs_r = side(0), hs_z = side(1), hs_n = side(2);
   Vec reset, update, n;
-  const Vec h_new = gru_unit(load_biased(x, bias, 0, units), load_biased(x, bias, hidden, units),
-                             load_biased(x, bias, 2 * hidden, units), hs_r, hs_z, hs_n, simd::load(h_prev, units),
-                             reset, update, n);
+  const Lanes lanes{units};
+  const Vec h_new = gru_unit(biased_at(lanes, x, bias, 0), biased_at(lanes, x, bias, hidden),
+                             biased_at(lanes, x, bias, 2 * hidden), hs_r, hs_z, hs_n, lanes(h_prev), reset, update, n);
   store(h, h_new, units);
   store(out, h_new, units);
   if (act != nullptr) {
@@ -1533,8 +1536,8 @@ void add_quantized_rows(const float* x_row, const float* x_sums, const Quantized
   }
 }
 
-// Products on quantized weights, each out (B, N) += x (B, K) @ W^T, all into one out in the order given
-// (every W has N rows).  At batch 1 a step is bound by converting and reading its weights: a team of
+// Products on quantized weights, each out (B, N) += x (B, K) @ W^T in the order given (every W has N rows;
+// two products may share an out).  At batch 1 a step is bound by converting and reading its weights: a team of
 // threads shares the N rows, one thread per kQuantizedBytesPerThread of the call's weights (a thread is
 // started per call: tens of microseconds), so that weights of 1 MB or more are shared.  Each thread takes
 // the same rows at every step, and where the system keeps the threads on their cores each core's share
@@ -1542,11 +1545,16 @@ void add_quantized_rows(const float* x_row, const float* x_sums, const Quantized
 // alone 170-250 -> 130-160 us.  Each output entry is summed by one thread in one order: any team size
 // gives the same bits.
 constexpr size_t kQuantizedBytesPerThread = size_t{1} << 19;
-void add_quantized_products(const std::vector<std::pair<mx::array, const QuantizedMatrix*>>& products, float* out) {
-  const int width = products.front().second->packed.shape(0);
+struct QuantizedProduct {
+  mx::array x;
+  const QuantizedMatrix* w;
+  float* out;
+};
+void add_quantized_products(const std::vector<QuantizedProduct>& products) {
+  const int width = products.front().w->packed.shape(0);
   size_t bytes = 0;
   std::vector<std::vector<float>> x_sums;  // per product, (B, groups): each row of x summed over each group
-  for (const auto& [x, w] : products) {
+  for (const auto& [x, w, out] : products) {
     bytes += w->packed.nbytes() + w->scales.nbytes() + w->biases.nbytes();
     const int batch = x.shape(0), depth = x.shape(1), groups = depth / w->group_size;
     std::vector<float>& sums = x_sums.emplace_back(static_cast<size_t>(batch) * groups, 0.0f);
@@ -1560,7 +1568,7 @@ void add_quantized_products(const std::vector<std::pair<mx::array, const Quantiz
     const int quads = width / 4;  // rows split in fours (quantized_rows' blocks); the last thread takes the rest
     const int first = 4 * (quads * thread / team), end = thread + 1 == team ? width : 4 * (quads * (thread + 1) / team);
     for (size_t p = 0; p < products.size(); ++p) {
-      const auto& [x, w] = products[p];
+      const auto& [x, w, out] = products[p];
       const size_t depth = x.shape(1), groups = depth / w->group_size;
       for (size_t b = 0; b < static_cast<size_t>(x.shape(0)); ++b) {
         add_quantized_rows(x.data<float>() + b * depth, x_sums[p].data() + b * groups, *w, first, end, out + b * width);
@@ -1657,8 +1665,7 @@ std::vector<mx::array> quantized_step(const std::string& kind, const mx::array& 
     float* out = output.data<float>();
     float* h_new = finals[0].data<float>() + layer * layer_floats;
     if (gru) {
-      add_quantized_products({{rows, &w_ih}}, input.data());
-      add_quantized_products({{h_prev, &w_hh}}, hidden_side.data());
+      add_quantized_products({{rows, &w_ih, input.data()}, {h_prev, &w_hh, hidden_side.data()}});
       for (int r = 0; r < batch; ++r) {
         gru_row(hidden, input.data() + static_cast<size_t>(r) * gates, nullptr,
                 hidden_side.data() + static_cast<size_t>(r) * gates,
@@ -1666,7 +1673,8 @@ std::vector<mx::array> quantized_step(const std::string& kind, const mx::array& 
       }
       copy_rows(h_new, out, batch, hidden);
     } else {
-      add_quantized_products({{rows, &w_ih}, {h_prev, &w_hh}}, input.data());  // the recurrent side joins the input side
+      // the recurrent side joins the input side
+      add_quantized_products({{rows, &w_ih, input.data()}, {h_prev, &w_hh, input.data()}});
       if (kind == "lstm") {
         float* c = finals[1].data<float>() + layer * layer_floats;
         copy_rows(c, given[1].data<float>() + layer * layer_floats, batch, hidden);
