@@ -624,9 +624,8 @@ def training_parts_cases(hidden_size: int) -> list[Case]:
     state = [model.state, optimizer.state]
     update = mx.compile(lambda g: optimizer.update(model, g), inputs=state, outputs=state)
 
-    def summary(loss, gradients) -> np.ndarray:  # the loss and the sum of the gradients' squares
-        return np.array([float(loss), sum(float((g.astype(mx.float64) ** 2).sum()) if isinstance(g, mx.array)
-                                          else float((g.double() ** 2).sum()) for g in gradients)])  # fmt: skip
+    def summary(loss, gradients) -> np.ndarray:  # the loss and the sum of the gradients' squares (MLX or torch)
+        return np.array([float(loss), sum(float((np.asarray(g, dtype=np.float64) ** 2).sum()) for g in gradients)])
 
     def layers_ours():
         loss, layer_grads = layers_grad(model.recurrent, embedded)
@@ -645,7 +644,7 @@ def training_parts_cases(hidden_size: int) -> list[Case]:
     parts = {"LSTM layers forward+backward (seqlib)": {"seqlib": layers_ours},
              "head and cross-entropy forward+backward (MLX)": {"MLX": head_ours},
              "Adam update (MLX, compiled)": {"MLX": update_ours}}  # fmt: skip
-    if HAVE_TORCH:
+    if HAVE_TORCH:  # torch's part after each of ours, in the same order
         import torch
 
         _, recurrent, head = _torch_char_model(model)
@@ -671,15 +670,14 @@ def training_parts_cases(hidden_size: int) -> list[Case]:
             loss.backward()
             return loss.item(), [head.weight.grad, head.bias.grad, x.grad]
 
-        parts["LSTM layers forward+backward (seqlib)"]["torch"] = layers_theirs
-        parts["head and cross-entropy forward+backward (MLX)"]["torch"] = head_theirs
-        parts["Adam update (MLX, compiled)"]["torch"] = adam.step
+        for implementations, theirs in zip(parts.values(), (layers_theirs, head_theirs, adam.step), strict=True):
+            implementations["torch"] = theirs
     def relative(a, b) -> float:  # of the losses and gradient sums, from the same weights
         ours, theirs = summary(*a), summary(*b)
         return float(np.max(np.abs(ours - theirs) / np.maximum(np.abs(ours), 1e-30)))
 
-    # 1e-3: sum(output * w) adds terms of both signs, and float32 sums in another order differ by more than
-    # 1e-4 of such a total (here 2e-5 at H = 128)
+    # 1e-3: sum(output * w) adds terms of both signs, so float32 sums in another order can differ by more
+    # than 1e-4 of such a total (2e-5 at H = 128 here)
     return [Case(name=f"{name}, H={hidden_size}", implementations=implementations,
                  check=relative if "update" not in name else None, tolerance=1e-3)
             for name, implementations in parts.items()]  # fmt: skip
