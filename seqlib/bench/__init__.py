@@ -5,6 +5,9 @@ torch when it is installed).  The harness runs them **interleaved** — every
 repeat times each implementation once, in a rotating order — so a noisy
 neighbour on a shared machine slows all of them alike, and reports medians and
 the ratios of each implementation's median to torch's and to plain MLX's.
+Before each timed call it waits until the process's own threads are idle
+(:func:`settle`): torch's OpenMP workers spin for milliseconds after each call,
+and whichever implementation came next would share its cores with them.
 Next to each time it prints the napkin math: the bytes a case must move at
 least, and its FLOPs, as achieved GB/s and GFLOP/s; given this machine's own
 limits (:mod:`seqlib.bench.machine`), also the roofline's time for the case
@@ -20,7 +23,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-__all__ = ["Case", "cpu_vector_extensions", "keep_large_buffers", "print_versions", "run_cases"]
+__all__ = ["Case", "cpu_vector_extensions", "keep_large_buffers", "print_versions", "run_cases", "settle"]
 
 
 @dataclass
@@ -102,6 +105,28 @@ def _median_seconds(samples: list[float]) -> float:
     return float(np.median(samples))
 
 
+def settle(poll: float = 0.01, longest: float = 0.2) -> float:
+    """Wait until this process's threads are idle (they used under a tenth of a core over ``poll`` seconds),
+    at most ``longest`` seconds; returns the seconds waited.
+
+    A library that runs on a thread pool may leave its workers spinning after a call returns, so that its
+    next call finds them awake.  torch's OpenMP workers (GNU libgomp, ``GOMP_SPINCOUNT``) spin about 8 ms of
+    CPU each after every call (an LSTM forward, 2-core Sapphire Rapids: 8.5 ms of CPU in a 50 ms sleep after
+    it, against 0.1 ms after seqlib's).  Timed right after torch, another implementation shares its cores
+    with those workers: on 16 cores seqlib's LSTM forward at (T, B, H) = (35, 20, 650) took 11.9 ms right
+    after torch's call and 7.0 ms on its own.  Waiting before each call times every implementation on its
+    own, torch included (its first parallel region then wakes its workers, tens of microseconds).  The poll
+    is 10 ms because Linux adds another running thread's CPU time to the process's at scheduler ticks (up
+    to 4 ms apart): over 2 ms a spinning worker can show none."""
+    start = time.perf_counter()
+    while time.perf_counter() - start < longest:
+        cpu = time.process_time()
+        time.sleep(poll)
+        if time.process_time() - cpu < 0.1 * poll:
+            break
+    return time.perf_counter() - start
+
+
 def run_cases(cases: list[Case], repeats: int = 15, warmup: int = 2, show: bool = True, machine=None) -> list[dict]:
     """Validate, then time every case; print a table per case (unless ``show`` is False) and return its rows.
 
@@ -127,6 +152,7 @@ def run_cases(cases: list[Case], repeats: int = 15, warmup: int = 2, show: bool 
         for repeat in range(repeats):
             order = names[repeat % len(names):] + names[: repeat % len(names)]
             for name in order:
+                settle()
                 start = time.perf_counter()
                 case.implementations[name]()
                 samples[name].append(time.perf_counter() - start)
