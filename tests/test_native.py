@@ -345,19 +345,58 @@ BIG_BAGS = """
 """
 
 
-@linux_only
-def test_bags_split_over_threads_add_in_the_same_order_as_one_thread(tmp_path):
-    """Large enough for several threads: every thread count gives bit-identical pools and gradients."""
+def assert_every_thread_count_gives_the_same_bits(script: str, tmp_path, counts=("1", "2", "3", "4")) -> None:
+    """Run ``script`` (which saves its results to the .npz named by its argument) once per OMP_NUM_THREADS in
+    ``counts`` (seqlib's loops use at most that many, and no more than the process may run on) and compare."""
     files = []
-    for threads in ("1", "2", "3"):
+    for threads in counts:
         path = tmp_path / f"threads{threads}.npz"
-        result = subprocess.run([sys.executable, "-c", textwrap.dedent(BIG_BAGS), str(path)], capture_output=True,
+        result = subprocess.run([sys.executable, "-c", textwrap.dedent(script), str(path)], capture_output=True,
                                 text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": threads})  # fmt: skip
         assert result.returncode == 0, result.stderr
         files.append(np.load(path))
     for other in files[1:]:
         for key in files[0].files:
             np.testing.assert_array_equal(files[0][key], other[key], err_msg=key)
+
+
+@linux_only
+def test_bags_split_over_threads_add_in_the_same_order_as_one_thread(tmp_path):
+    """Large enough for several threads: every thread count gives bit-identical pools and gradients."""
+    assert_every_thread_count_gives_the_same_bits(BIG_BAGS, tmp_path)
+
+
+BIG_STEPS = """
+    import mlx.core as mx, numpy as np, sys
+    from seqlib import native
+    rng = np.random.default_rng(0)
+    extension, results = native.extension(), []
+    # (steps, batch, H): a step's product passes 4M multiply-adds, and its blocks of units are fewer than twice
+    # the threads (H = 32, 48 on AVX-512) or not (H = 128): teams split rows, blocks or both
+    for steps, batch, hidden in ((6, 1030, 32), (5, 800, 48), (5, 200, 128)):
+        batch_sizes = [batch] * (steps - 2) + [batch - 7, batch // 2]
+        rows = sum(batch_sizes)
+        for gates, function in ((4, extension.lstm_sequence), (3, extension.gru_sequence)):
+            arrays = [rng.standard_normal(shape).astype(np.float32) * scale for shape, scale in (
+                ((rows, gates * hidden), 1.0), ((gates * hidden, hidden), hidden ** -0.5), ((gates * hidden,), 0.1),
+                ((batch, hidden), 1.0), ((batch, hidden), 1.0))]
+            x_gates, w_hh, b_hh, h0, c0 = map(mx.array, arrays)
+            states = (h0, c0) if gates == 4 else (b_hh, h0)
+            for reverse in (False, True):
+                run = lambda x, w: function(x, w, *states, batch_sizes, reverse, True)
+                outputs = run(x_gates, w_hh)
+                _, grads = mx.vjp(lambda x, w: run(x, w)[:2], [x_gates, w_hh], [mx.ones_like(o) for o in outputs[:2]])
+                results += [*outputs, *grads]
+    np.savez(sys.argv[1], *[np.array(r) for r in results])
+"""
+
+
+@linux_only
+def test_packed_loops_shared_among_threads_give_the_bits_of_one_thread(tmp_path):
+    """The packed forward loops share a step's blocks of units among threads, and where those are too few for the
+    threads, its rows too; each output's products add in the same order whichever thread computes it, so every
+    thread count (1 to 4; more where the machine has them) gives the same outputs, saved arrays and gradients."""
+    assert_every_thread_count_gives_the_same_bits(BIG_STEPS, tmp_path, counts=("1", "2", "3", "4", "16"))
 
 
 @linux_only

@@ -614,6 +614,17 @@ int team_size(int batch, int hidden, int blocks) {
   return std::max(1, std::min(seqlib_cpu::thread_budget(), blocks / 2));
 }
 
+// How many parts a forward's team splits each step's rows into: where team_size leaves threads idle (fewer
+// blocks than twice the threads: small H on many cores), each block group's rows are shared among
+// threads too, at least 2 kRowsPerTile rows each.  16-core Sapphire Rapids, (T, B, H) = (200, 64, 128): the
+// loop alone took 22.2 ms on one thread, 11.5 on two, 9.2 on four and no less on more, its 8 blocks
+// shared by at most 4 threads.
+constexpr int kMinRowsPerPart = 2 * kRowsPerTile;
+int row_parts(int batch, int hidden, int block_groups) {
+  if (int64_t{batch} * 4 * hidden * hidden < kTeamMinMultiplyAdds) return 1;
+  return std::max(1, std::min(seqlib_cpu::thread_budget() / block_groups, batch / kMinRowsPerPart));
+}
+
 // h_n (B, H): each sequence's output row at its last step (sequences stop at different steps).
 void final_states(const Loop& loop, const mx::array& output, float* h_n) {
   int batch = 0;  // the first step's rows, the last's in the reverse direction
@@ -626,13 +637,16 @@ void final_states(const Loop& loop, const mx::array& output, float* h_n) {
   for (size_t r = 0; r < last_row.size(); ++r) copy_rows(h_n + r * hidden, row_of(output, last_row[r]), 1, hidden);
 }
 
-// The time loop on packed weights, its blocks of kUnits units shared among a team of threads (team_size):
-// at each step each thread calls before(step, first unit, end unit) (what must be saved of the state,
-// its units only), then for each of its blocks and every tile of up to kRowsPerTile rows the tile's
+// The time loop on packed weights, its blocks of kUnits units shared among groups of threads (team_size),
+// and each step's rows among the threads of a group (row_parts): at each step each thread calls
+// before(step, first unit, end unit, first row, end row) (what must be saved of the state, its units and
+// rows only), then for each of its blocks and every tile of up to kRowsPerTile of its rows the tile's
 // product h[rows] @ block and gate_math(step, row, unit, units, tile row, h, h_next) on it, which
 // writes the row's new h for those units into h_next; then the team meets, and h and h_next swap.
-// Every tile reads all of h, so the new h goes to the other buffer and one meeting per step suffices.
-// Rows past a step's rows are not carried over: final_states gathers h_n from the output.
+// Every tile reads all of h's units, so the new h goes to the other buffer and one meeting per step
+// suffices.  Rows past a step's rows are not carried over: final_states gathers h_n from the output.
+// Each output adds the same products in the same order whichever thread computes it: the same bits for
+// every team.
 //
 // x_gates (N, G H), which gate_math reads, streams from memory (N G H floats, read once): a step
 // ahead, each block asks for the next step's input sides of its units (prefetch_row), so that gate_math
@@ -656,28 +670,41 @@ template <class Before, class GateMath>
 void packed_steps(const Loop& loop, int batch, int hidden, const float* w_hh, const mx::array& x_gates, float* h,
                   float* h_next, Before before, GateMath gate_math) {
   const int blocks = (hidden + kUnits - 1) / kUnits, gates = x_gates.shape(1) / hidden;
+  const int groups = team_size(batch, hidden, blocks), parts = row_parts(batch, hidden, groups);
   AlignedFloats packed(static_cast<size_t>(blocks) * hidden * kTile);
-  run_team(team_size(batch, hidden, blocks), [&](int thread, int threads, StepBarrier& barrier) {
-    const int first_block = blocks * thread / threads, end_block = blocks * (thread + 1) / threads;
+  run_team(groups * parts, [&](int thread, int, StepBarrier& barrier) {
+    const int group = thread / parts, part = thread % parts;
+    const int first_block = blocks * group / groups, end_block = blocks * (group + 1) / groups;
     const int first_unit = first_block * kUnits, end_unit = std::min(hidden, end_block * kUnits);
-    pack_gate_blocks(w_hh, hidden, gates, first_block, end_block, packed.data());
+    const auto rows_of = [&](const Step& step) {  // this thread's share [first, end) of a step's rows
+      return std::pair{step.rows * part / parts, step.rows * (part + 1) / parts};
+    };
+    const int pack_from = first_block + (end_block - first_block) * part / parts;  // the group packs its blocks
+    pack_gate_blocks(w_hh, hidden, gates, pack_from, first_block + (end_block - first_block) * (part + 1) / parts,
+                     packed.data());
+    if (parts > 1) barrier.wait();  // each thread reads blocks that others of its group packed
     AlignedFloats products(static_cast<size_t>(batch) * kTile);  // a block's products for every row of a step
     float *current = h, *next = h_next;
     for (size_t s = 0; s < loop.steps.size(); ++s) {
       const Step& step = loop.steps[s];
       const Step* coming = s + 1 < loop.steps.size() ? &loop.steps[s + 1] : nullptr;
-      before(step, first_unit, end_unit, current);
+      const auto [first_row, end_row] = rows_of(step);
+      // the next step's rows of this thread (more, reversed), whose input sides are asked for a step ahead
+      const auto [ahead_first, ahead_end] = coming != nullptr ? rows_of(*coming) : std::pair{0, 0};
+      before(step, first_unit, end_unit, first_row, end_row, current);
       for (int b = first_block; b < end_block; ++b) {
         const float* block = packed.data() + static_cast<size_t>(b) * hidden * kTile;
         const int unit = b * kUnits, units = std::min(kUnits, hidden - unit);
-        const int ahead = coming != nullptr ? coming->rows : 0;  // rows of the next step (more, reversed)
-        rows_product(step.rows, current, hidden, hidden, block, products.data(), [&](int first, int count) {
-          for (int r = first; r < first + count; ++r) {
-            gate_math(step, r, unit, units, products.data() + static_cast<size_t>(r) * kTile, current, next);
-            if (r < ahead) prefetch_row(row_of(x_gates, coming->first + r) + unit, hidden, gates);
-          }
-        });
-        for (int r = step.rows; r < ahead; ++r) prefetch_row(row_of(x_gates, coming->first + r) + unit, hidden, gates);
+        const auto ask = [&](int r) { prefetch_row(row_of(x_gates, coming->first + r) + unit, hidden, gates); };
+        rows_product(end_row - first_row, current + static_cast<size_t>(first_row) * hidden, hidden, hidden, block,
+                     products.data(), [&](int first, int count) {
+                       for (int i = first; i < first + count; ++i) {
+                         gate_math(step, first_row + i, unit, units, products.data() + static_cast<size_t>(i) * kTile,
+                                   current, next);
+                         if (ahead_first + i < ahead_end) ask(ahead_first + i);
+                       }
+                     });
+        for (int r = ahead_first + end_row - first_row; r < ahead_end; ++r) ask(r);
       }
       barrier.wait();
       std::swap(current, next);
@@ -702,10 +729,11 @@ void lstm_forward_packed(std::vector<mx::array>& ins, std::vector<mx::array>& ou
   std::vector<float> h(ins[2].data<float>(), ins[2].data<float>() + static_cast<size_t>(batch) * hidden), h_next(h);
   float* c = outs[2].data<float>();  // c advances in place in c_n, each unit by the thread that owns it
   copy_rows(c, ins[3].data<float>(), batch, hidden);
-  auto before = [&](const Step& step, int first, int end, const float* current) {
+  auto before = [&](const Step& step, int first, int end, int first_row, int end_row, const float* current) {
     if (!save) return;
-    copy_columns(row_of(outs[6], step.first), current, step.rows, hidden, first, end);
-    copy_columns(row_of(outs[5], step.first), c, step.rows, hidden, first, end);
+    const size_t at = static_cast<size_t>(first_row) * hidden;
+    copy_columns(row_of(outs[6], step.first + first_row), current + at, end_row - first_row, hidden, first, end);
+    copy_columns(row_of(outs[5], step.first + first_row), c + at, end_row - first_row, hidden, first, end);
   };
   auto gate_math = [&](const Step& step, int r, int unit, int units, const float* acc, const float*, float* next) {
     const float* x = row_of(ins[0], step.first + r) + unit;  // x_gates: i at 0, f at H, ...
@@ -747,8 +775,10 @@ void gru_forward_packed(std::vector<mx::array>& ins, std::vector<mx::array>& out
   const int batch = ins[3].shape(0), hidden = ins[3].shape(1);
   const float *b_hh = ins[2].data<float>(), *bias = bias_input(ins, 4);
   std::vector<float> h(ins[3].data<float>(), ins[3].data<float>() + static_cast<size_t>(batch) * hidden), h_next(h);
-  auto before = [&](const Step& step, int first, int end, const float* current) {
-    if (save) copy_columns(row_of(outs[4], step.first), current, step.rows, hidden, first, end);
+  auto before = [&](const Step& step, int first, int end, int first_row, int end_row, const float* current) {
+    if (!save) return;
+    copy_columns(row_of(outs[4], step.first + first_row), current + static_cast<size_t>(first_row) * hidden,
+                 end_row - first_row, hidden, first, end);
   };
   auto gate_math = [&](const Step& step, int r, int unit, int units, const float* acc, const float* current,
                        float* next) {
