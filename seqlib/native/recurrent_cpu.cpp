@@ -308,9 +308,9 @@ inline void gru_row(int hidden, const float* x, const float* bias, const float* 
 // step's rows of outs[0]) from d_h (the gradient reaching h, rows of d_h0's buffer) and d_c, which moves
 // back a step in place.  ins and outs as lstm_backward's.
 void lstm_gate_backward(const std::vector<mx::array>& ins, std::vector<mx::array>& outs, const Step& step,
-                        const float* d_h, float* d_c, int first, int end) {
+                        const float* d_h, float* d_c, int first, int end, int first_row, int end_row) {
   const int hidden = ins[5].shape(1);
-  for (int r = 0; r < step.rows; ++r) {
+  for (int r = first_row; r < std::min(end_row, step.rows); ++r) {
     const int row = step.first + r;
     const float *a = row_of(ins[1], row), *tanh_cs = row_of(ins[2], row), *c_prev = row_of(ins[3], row);
     const float* d_output = row_of(ins[4], row);
@@ -332,9 +332,9 @@ void lstm_gate_backward(const std::vector<mx::array>& ins, std::vector<mx::array
 // its input and hidden sides (outs[0], outs[1]) from d_h, which takes the direct path's part (the
 // recurrent product's is added after).  ins and outs as gru_backward's.
 void gru_gate_backward(const std::vector<mx::array>& ins, std::vector<mx::array>& outs, const Step& step,
-                       float* d_h, int first, int end) {
+                       float* d_h, int first, int end, int first_row, int end_row) {
   const int hidden = ins[5].shape(1);
-  for (int r = 0; r < step.rows; ++r) {
+  for (int r = first_row; r < std::min(end_row, step.rows); ++r) {
     const int row = step.first + r;
     const float *a = row_of(ins[1], row), *hs = row_of(ins[2], row), *h_prev = row_of(ins[3], row);
     const float* d_output = row_of(ins[4], row);
@@ -609,6 +609,12 @@ inline void lstm_gate_math(int units, int hidden, const float* x, const float* b
 // Zen 3 VM: (B, H) = (64, 128), 4M multiply-adds a step, ran 3x faster on two threads; (16, 128), 1M, twice
 // as slow (a meeting costs microseconds, more when a neighbour holds the other core).
 constexpr int64_t kTeamMinMultiplyAdds = 1 << 22;
+
+// Part `part` of `parts` of the range [first, end), the parts as even as they can be.
+inline std::pair<int, int> share_of(int first, int end, int part, int parts) {
+  return {first + (end - first) * part / parts, first + (end - first) * (part + 1) / parts};
+}
+
 int team_size(int batch, int hidden, int blocks) {
   if (int64_t{batch} * 4 * hidden * hidden < kTeamMinMultiplyAdds) return 1;
   return std::max(1, std::min(seqlib_cpu::thread_budget(), blocks / 2));
@@ -673,15 +679,12 @@ void packed_steps(const Loop& loop, int batch, int hidden, const float* w_hh, co
   const int groups = team_size(batch, hidden, blocks), parts = row_parts(batch, hidden, groups);
   AlignedFloats packed(static_cast<size_t>(blocks) * hidden * kTile);
   run_team(groups * parts, [&](int thread, int, StepBarrier& barrier) {
-    const int group = thread / parts, part = thread % parts;
-    const int first_block = blocks * group / groups, end_block = blocks * (group + 1) / groups;
+    const int part = thread % parts;
+    const auto [first_block, end_block] = share_of(0, blocks, thread / parts, groups);
     const int first_unit = first_block * kUnits, end_unit = std::min(hidden, end_block * kUnits);
-    const auto rows_of = [&](const Step& step) {  // this thread's share [first, end) of a step's rows
-      return std::pair{step.rows * part / parts, step.rows * (part + 1) / parts};
-    };
-    const int pack_from = first_block + (end_block - first_block) * part / parts;  // the group packs its blocks
-    pack_gate_blocks(w_hh, hidden, gates, pack_from, first_block + (end_block - first_block) * (part + 1) / parts,
-                     packed.data());
+    const auto rows_of = [&](const Step& step) { return share_of(0, step.rows, part, parts); };  // this thread's
+    const auto [pack_from, pack_end] = share_of(first_block, end_block, part, parts);  // the group packs its blocks
+    pack_gate_blocks(w_hh, hidden, gates, pack_from, pack_end, packed.data());
     if (parts > 1) barrier.wait();  // each thread reads blocks that others of its group packed
     AlignedFloats products(static_cast<size_t>(batch) * kTile);  // a block's products for every row of a step
     float *current = h, *next = h_next;
@@ -792,33 +795,41 @@ void gru_forward_packed(std::vector<mx::array>& ins, std::vector<mx::array>& out
 }
 
 // The backward's time loop on packed weights: per step (in reverse) each thread of the team runs
-// gate_backward(step, first, end) for its units, which writes the step's rows of d_gates (rows, K) for
-// them; the team meets; then each thread computes its blocks of kTile columns of d_gates @ w_hh (K, H)
-// from all of d_gates' columns and writes (or, with accumulate, adds) them into d_h's rows.  The next
-// step's gate_backward reads the same thread's columns of d_h, and writes other rows of d_gates than
-// the product still reads: one meeting per step.
+// gate_backward(step, first, end, first row, end row) for its units and rows, which writes the step's
+// rows of d_gates (rows, K) for them; the team meets; then each thread computes its blocks of kTile
+// columns of d_gates @ w_hh (K, H) for its rows, from all of d_gates' columns, and writes (or, with
+// accumulate, adds) them into d_h's rows.  The next step's gate_backward reads the same thread's columns
+// and rows of d_h (a thread keeps the same rows, the same sequences, at every step), and writes other
+// rows of d_gates than the product still reads: one meeting per step.  As in the forward, rows are
+// shared among threads (row_parts) where the blocks are too few for them.
 template <class GateBackward>
 void packed_backward_steps(const Loop& loop, int batch, int hidden, const float* w_hh, const mx::array& d_gates,
                            float* d_h, bool accumulate, GateBackward gate_backward) {
   const int depth = d_gates.shape(1), blocks = (hidden + kTile - 1) / kTile;
-  const int threads = std::min(team_size(batch, hidden, (hidden + kUnits - 1) / kUnits), blocks);
+  const int groups = std::min(team_size(batch, hidden, (hidden + kUnits - 1) / kUnits), blocks);
+  const int parts = row_parts(batch, hidden, groups);
   AlignedFloats packed(static_cast<size_t>(blocks) * depth * kTile);
-  run_team(threads, [&](int thread, int team, StepBarrier& barrier) {
-    const int first_block = blocks * thread / team, end_block = blocks * (thread + 1) / team;
+  run_team(groups * parts, [&](int thread, int, StepBarrier& barrier) {
+    const int part = thread % parts;
+    const auto [first_block, end_block] = share_of(0, blocks, thread / parts, groups);
+    const auto [first_row, end_row] = share_of(0, batch, part, parts);
     const int first = first_block * kTile, end = std::min(hidden, end_block * kTile);
-    pack_column_blocks(w_hh, depth, hidden, first_block, end_block, packed.data());
+    const auto [pack_from, pack_end] = share_of(first_block, end_block, part, parts);
+    pack_column_blocks(w_hh, depth, hidden, pack_from, pack_end, packed.data());
+    if (parts > 1) barrier.wait();  // each thread reads blocks that others of its group packed
     AlignedFloats products(static_cast<size_t>(batch) * kTile);  // a block's products for every row of a step
     for (auto step = loop.steps.rbegin(); step != loop.steps.rend(); ++step) {
-      gate_backward(*step, first, end);
+      gate_backward(*step, first, end, first_row, end_row);
       barrier.wait();
+      const int row = std::min(first_row, step->rows), rows = std::min(end_row, step->rows) - row;
       for (int b = first_block; b < end_block; ++b) {
         const float* block = packed.data() + static_cast<size_t>(b) * depth * kTile;
         const int column = b * kTile, columns = std::min(kTile, hidden - column);
-        rows_product(step->rows, row_of(d_gates, step->first), depth, depth, block, products.data(),
+        rows_product(rows, row_of(d_gates, step->first + row), depth, depth, block, products.data(),
                      [&](int first, int count) {
-                       for (int r = first; r < first + count; ++r) {
-                         float* target = d_h + static_cast<size_t>(r) * hidden + column;
-                         const float* result = products.data() + static_cast<size_t>(r) * kTile;
+                       for (int i = first; i < first + count; ++i) {
+                         float* target = d_h + static_cast<size_t>(row + i) * hidden + column;
+                         const float* result = products.data() + static_cast<size_t>(i) * kTile;
                          for (int j = 0; j < columns; ++j) target[j] = accumulate ? target[j] + result[j] : result[j];
                        }
                      });
@@ -834,8 +845,8 @@ void lstm_backward_packed(std::vector<mx::array>& ins, std::vector<mx::array>& o
   copy_rows(d_h, ins[5].data<float>(), batch, hidden);
   copy_rows(d_c, ins[6].data<float>(), batch, hidden);
   packed_backward_steps(loop, batch, hidden, ins[0].data<float>(), outs[0], d_h,
-                        false, [&](const Step& step, int first, int end) {
-                          lstm_gate_backward(ins, outs, step, d_h, d_c, first, end);
+                        false, [&](const Step& step, int first, int end, int first_row, int end_row) {
+                          lstm_gate_backward(ins, outs, step, d_h, d_c, first, end, first_row, end_row);
                         });
 }
 
@@ -844,8 +855,8 @@ void gru_backward_packed(std::vector<mx::array>& ins, std::vector<mx::array>& ou
   float* d_h = outs[2].data<float>();
   copy_rows(d_h, ins[5].data<float>(), batch, hidden);
   packed_backward_steps(loop, batch, hidden, ins[0].data<float>(), outs[1], d_h,
-                        true, [&](const Step& step, int first, int end) {
-                          gru_gate_backward(ins, outs, step, d_h, first, end);
+                        true, [&](const Step& step, int first, int end, int first_row, int end_row) {
+                          gru_gate_backward(ins, outs, step, d_h, first, end, first_row, end_row);
                         });
 }
 
@@ -914,7 +925,7 @@ void lstm_backward(std::vector<mx::array>& ins, std::vector<mx::array>& outs, co
   copy_rows(d_h, ins[5].data<float>(), batch, hidden);
   copy_rows(d_c, ins[6].data<float>(), batch, hidden);
   for (auto step = loop.steps.rbegin(); step != loop.steps.rend(); ++step) {
-    lstm_gate_backward(ins, outs, *step, d_h, d_c, 0, hidden);
+    lstm_gate_backward(ins, outs, *step, d_h, d_c, 0, hidden, 0, step->rows);
     // d_h[:rows] = d_gates (rows, 4H) @ w_hh (4H, H)
     cblas_sgemm(kRowMajor, kNoTrans, kNoTrans, step->rows, hidden, gates, 1.0f, row_of(outs[0], step->first),
                 gates, ins[0].data<float>(), hidden, 0.0f, d_h, hidden);
@@ -962,7 +973,7 @@ void gru_backward(std::vector<mx::array>& ins, std::vector<mx::array>& outs, con
   float* d_h = outs[2].data<float>();
   copy_rows(d_h, ins[5].data<float>(), batch, hidden);
   for (auto step = loop.steps.rbegin(); step != loop.steps.rend(); ++step) {
-    gru_gate_backward(ins, outs, *step, d_h, 0, hidden);
+    gru_gate_backward(ins, outs, *step, d_h, 0, hidden, 0, step->rows);
     // d_h[:rows] += d_hidden_side (rows, 3H) @ w_hh (3H, H)
     cblas_sgemm(kRowMajor, kNoTrans, kNoTrans, step->rows, hidden, gates, 1.0f, row_of(outs[1], step->first),
                 gates, ins[0].data<float>(), hidden, 1.0f, d_h, hidden);
