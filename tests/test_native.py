@@ -391,6 +391,39 @@ BIG_STEPS = """
 """
 
 
+CONCURRENT_LOOPS = """
+    import threading, numpy as np, mlx.core as mx
+    from seqlib import native
+    extension, rng = native.extension(), np.random.default_rng(0)
+    steps, batch, hidden = 6, 1030, 32  # a team of threads (BIG_STEPS)
+    x_gates = mx.array(rng.standard_normal((steps * batch, 4 * hidden)).astype(np.float32))
+    w_hh = mx.array(rng.standard_normal((4 * hidden, hidden)).astype(np.float32) * hidden ** -0.5)
+    h0 = c0 = mx.zeros((batch, hidden))
+    run = lambda: np.array(extension.lstm_sequence(x_gates, w_hh, h0, c0, [batch] * steps, False, False)[0])
+    want, results = run(), {}
+
+    def on_a_stream(i):
+        with mx.stream(mx.new_stream(mx.cpu)):
+            results[i] = [run() for _ in range(20)]
+
+    threads = [threading.Thread(target=on_a_stream, args=(i,)) for i in range(3)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert len(results) == 3 and all(np.array_equal(r, want) for runs in results.values() for r in runs)
+"""
+
+
+@linux_only
+def test_loops_on_several_streams_at_once_share_the_workers_or_start_their_own():
+    """Three MLX streams run teams of threads at the same time: one has the kept workers, the others start
+    threads of their own; none waits on another's, and each gives the bits of a lone call."""
+    result = subprocess.run([sys.executable, "-c", textwrap.dedent(CONCURRENT_LOOPS)], capture_output=True, text=True,
+                            timeout=300, env={**os.environ, "OMP_NUM_THREADS": "4"})  # fmt: skip
+    assert result.returncode == 0, result.stderr
+
+
 @linux_only
 def test_packed_loops_shared_among_threads_give_the_bits_of_one_thread(tmp_path):
     """The packed forward loops share a step's blocks of units among threads, and where those are too few for the

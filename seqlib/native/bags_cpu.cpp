@@ -41,7 +41,6 @@
 #include <optional>
 #include <stdexcept>
 #include <string>
-#include <thread>
 #include <vector>
 
 #include <nanobind/nanobind.h>
@@ -107,10 +106,7 @@ void parallel_for(int64_t count, int64_t work, Body body) {
       body(begin, std::min(begin + chunk, count));
     }
   };
-  std::vector<std::thread> pool;
-  for (int64_t t = 1; t < threads; ++t) pool.emplace_back(take_chunks);
-  take_chunks();
-  for (auto& thread : pool) thread.join();
+  seqlib_cpu::run_parallel(static_cast<int>(threads), [&](int) { take_chunks(); });
 }
 
 constexpr int kAhead = 16;  // how many entries ahead rows are prefetched (about one bag)

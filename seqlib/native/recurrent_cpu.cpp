@@ -41,7 +41,6 @@
 #include <optional>
 #include <stdexcept>
 #include <string>
-#include <thread>
 #include <type_traits>
 #include <vector>
 
@@ -392,14 +391,12 @@ class StepBarrier {
   std::atomic<int> generation_{0};
 };
 
-// body(thread, threads, barrier) on `threads` threads (this one and threads - 1 new ones), all sharing one barrier.
+// body(thread, threads, barrier) on `threads` threads at once (this one and threads - 1 of run_parallel's), all
+// sharing one barrier.
 template <class Body>
 void run_team(int threads, Body body) {
   StepBarrier barrier(threads);
-  std::vector<std::thread> pool;
-  for (int t = 1; t < threads; ++t) pool.emplace_back([&, t] { body(t, threads, barrier); });
-  body(0, threads, barrier);
-  for (auto& thread : pool) thread.join();
+  seqlib_cpu::run_parallel(threads, [&](int thread) { body(thread, threads, barrier); });
 }
 
 // ----------------------------------------------------------------- LSTM and GRU, packed (AVX2 and AVX-512)
