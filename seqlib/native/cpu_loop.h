@@ -16,6 +16,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <cfenv>
 #include <cstdint>
 #include <cstdlib>
 #include <memory>
@@ -181,7 +182,8 @@ inline int thread_budget() {
 // Threads kept between calls, so that a loop's team costs a wake-up per thread (a system call each) instead
 // of starting one: 16 threads started and joined took 340 us on a 16-core Sapphire Rapids virtual machine.
 // One team at a time: a caller that finds them taken (a loop on another MLX stream, or one inside a loop)
-// starts its own threads, as does a process forked from one that had workers.  Each worker sleeps on its own
+// starts its own threads, as does a process forked from one that had workers.  Each part runs in the
+// caller's floating-point environment (rounding, flush-to-zero), as a thread started by it would.  Each worker sleeps on its own
 // semaphore (a futex: nothing spins between calls) and is never destroyed: at exit it is still asleep.
 class Workers {
  public:
@@ -210,19 +212,25 @@ class Workers {
   // job.call(job.body, part) for parts 0 .. parts - 1 at once, part 0 on this thread; false (nothing run)
   // where the workers are taken.
   bool try_run(int parts, Job job) {
-    std::unique_lock<std::mutex> lock(taken_, std::try_to_lock);
-    if (!lock.owns_lock()) return false;
+    if (parts < 2 || taken_.exchange(true, std::memory_order_acquire)) return false;
+    struct Release {
+      std::atomic<bool>& taken;
+      ~Release() { taken.store(false, std::memory_order_release); }
+    } release{taken_};
     while (static_cast<int>(sleepers_.size()) < parts - 1) {
-      sleepers_.push_back(std::make_unique<std::binary_semaphore>(0));
-      std::thread([this, wake = sleepers_.back().get(), part = static_cast<int>(sleepers_.size())] {
+      auto wake = std::make_unique<std::binary_semaphore>(0);
+      std::thread([this, wake = wake.get(), part = static_cast<int>(sleepers_.size()) + 1] {
         for (;;) {
           wake->acquire();
+          fesetenv(&environment_);
           job_.call(job_.body, part);
           if (running_.fetch_sub(1, std::memory_order_acq_rel) == 1) done_.release();
         }
-      }).detach();
+      }).detach();  // a worker exists before its semaphore is listed: a failed start lists none
+      sleepers_.push_back(std::move(wake));
     }
     job_ = job;
+    fegetenv(&environment_);
     running_.store(parts - 1, std::memory_order_relaxed);
     for (int part = 1; part < parts; ++part) sleepers_[part - 1]->release();  // publishes job_ to the worker
     job.call(job.body, 0);
@@ -236,9 +244,10 @@ class Workers {
     return workers;
   }
 
-  std::mutex taken_;
+  std::atomic<bool> taken_{false};  // a flag, not a mutex: a part that runs a loop of its own may ask again
   std::vector<std::unique_ptr<std::binary_semaphore>> sleepers_;  // worker i runs part i + 1
   Job job_{};
+  fenv_t environment_{};  // the caller's floating-point environment, which each part runs in
   std::atomic<int> running_{0};
   std::binary_semaphore done_{0};
 };

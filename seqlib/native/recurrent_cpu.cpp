@@ -303,7 +303,8 @@ inline void gru_row(int hidden, const float* x, const float* bias, const float* 
   });
 }
 
-// The LSTM's backward through one step's gate math, for units [first, end) of its rows: d_gates (the
+// The LSTM's backward through one step's gate math, for units [first, end) of rows [first_row, end_row) (those
+// of the step's rows that fall there): d_gates (the
 // step's rows of outs[0]) from d_h (the gradient reaching h, rows of d_h0's buffer) and d_c, which moves
 // back a step in place.  ins and outs as lstm_backward's.
 void lstm_gate_backward(const std::vector<mx::array>& ins, std::vector<mx::array>& outs, const Step& step,
@@ -327,7 +328,8 @@ void lstm_gate_backward(const std::vector<mx::array>& ins, std::vector<mx::array
   }
 }
 
-// The GRU's backward through one step's gate math, for units [first, end) of its rows: the gradients of
+// The GRU's backward through one step's gate math, for units [first, end) of rows [first_row, end_row) (those
+// of the step's rows that fall there): the gradients of
 // its input and hidden sides (outs[0], outs[1]) from d_h, which takes the direct path's part (the
 // recurrent product's is added after).  ins and outs as gru_backward's.
 void gru_gate_backward(const std::vector<mx::array>& ins, std::vector<mx::array>& outs, const Step& step,
@@ -617,7 +619,7 @@ int team_size(int batch, int hidden, int blocks) {
   return std::max(1, std::min(seqlib_cpu::thread_budget(), blocks / 2));
 }
 
-// How many parts a forward's team splits each step's rows into: where team_size leaves threads idle (fewer
+// How many parts a packed loop's team splits the rows into: where team_size leaves threads idle (fewer
 // blocks than twice the threads: small H on many cores), each block group's rows are shared among
 // threads too, at least 2 kRowsPerTile rows each.  16-core Sapphire Rapids, (T, B, H) = (200, 64, 128): the
 // loop alone took 22.2 ms on one thread, 11.5 on two, 9.2 on four and no less on more, its 8 blocks
@@ -688,9 +690,10 @@ void packed_steps(const Loop& loop, int batch, int hidden, const float* w_hh, co
     for (size_t s = 0; s < loop.steps.size(); ++s) {
       const Step& step = loop.steps[s];
       const Step* coming = s + 1 < loop.steps.size() ? &loop.steps[s + 1] : nullptr;
-      const auto [first_row, end_row] = rows_of(step);
+      const int first_row = rows_of(step).first, end_row = rows_of(step).second;
       // the next step's rows of this thread (more, reversed), whose input sides are asked for a step ahead
-      const auto [ahead_first, ahead_end] = coming != nullptr ? rows_of(*coming) : std::pair{0, 0};
+      const auto ahead = coming != nullptr ? rows_of(*coming) : std::pair{0, 0};
+      const int ahead_first = ahead.first, ahead_end = ahead.second;
       before(step, first_unit, end_unit, first_row, end_row, current);
       for (int b = first_block; b < end_block; ++b) {
         const float* block = packed.data() + static_cast<size_t>(b) * hidden * kTile;
@@ -727,7 +730,8 @@ void lstm_forward_packed(std::vector<mx::array>& ins, std::vector<mx::array>& ou
   const float* bias = bias_input(ins, 4);
   // Both buffers start as h0: in the reverse direction a sequence joins at a later step, reading h0 from either.
   std::vector<float> h(ins[2].data<float>(), ins[2].data<float>() + static_cast<size_t>(batch) * hidden), h_next(h);
-  float* c = outs[2].data<float>();  // c advances in place in c_n, each unit by the thread that owns it
+  float* c = outs[2].data<float>();  // c advances in place in c_n: at each step each (row, unit) by one thread
+  // (which may change between steps: the step's meeting orders its write before the next step's read)
   copy_rows(c, ins[3].data<float>(), batch, hidden);
   auto before = [&](const Step& step, int first, int end, int first_row, int end_row, const float* current) {
     if (!save) return;
