@@ -111,6 +111,19 @@ class _Recording:
 
 
 _MAP_ROWS_PER_LOOKUP = 16  # renumber through a (V,) map when V is at most this many times the rows read
+_BITMAP_ROWS_PER_LOOKUP = 256  # seqlib.native's row bitmap (V / 8 bytes) when V is at most this many times
+
+
+def _row_bitmaps(num_embeddings: int, lookups: int):
+    """seqlib.native's row-set functions where they run and pay (V / 64 bitmap words against the
+    ``lookups`` indices), else None: then NumPy sorts, maps and searches."""
+    extension = native.extension()
+    return extension if num_embeddings <= _BITMAP_ROWS_PER_LOOKUP * max(lookups, 1024) else None
+
+
+def _native_ints(indices: np.ndarray) -> np.ndarray:
+    """``indices`` as one contiguous int32 or int64 row, what seqlib.native's row-set functions take."""
+    return np.ascontiguousarray(indices if indices.dtype in (np.int32, np.int64) else indices.astype(np.int64)).ravel()
 
 
 @dataclass
@@ -125,9 +138,14 @@ class _Rows:
     def positions(self, flat: np.ndarray) -> np.ndarray:
         """Where each of ``flat``'s rows is in ``unique``; -1 where it is not there (or not a row at all).
 
-        A (V,) map costs O(V) to fill, so it is used only when V is within a small factor of the rows
-        read; otherwise a binary search per index.
+        seqlib.native's bitmap of the rows (O(V / 64 + N)) where it runs and V is within a factor of
+        the rows read; else a (V,) map, filled in O(V), where V is within a smaller factor; otherwise
+        a binary search per index.
         """
+        bitmaps = _row_bitmaps(self.num_embeddings, flat.size)
+        if bitmaps is not None:
+            unique = self.unique.astype(np.int32, copy=False)
+            return bitmaps.row_positions(unique, _native_ints(flat), self.num_embeddings).reshape(flat.shape)
         if self.num_embeddings > _MAP_ROWS_PER_LOOKUP * max(self.unique.size, 1024):
             positions = np.searchsorted(self.unique, flat)
             found = positions < self.unique.size
@@ -254,14 +272,18 @@ def _record_rows(tables, fn, args, kwargs) -> list[np.ndarray]:
     unique_rows = []
     for name, table in tables:
         calls = table.sparse_recording.calls
-        unique = _sorted_unique(np.concatenate(calls)) if calls else np.zeros(0, np.int64)
-        check_index_range(unique, table.weight.shape[0], f"input of {name or 'model'}")
-        unique_rows.append(unique)
+        flat = np.concatenate(calls) if calls else np.zeros(0, np.int64)
+        check_index_range(flat, table.weight.shape[0], f"input of {name or 'model'}")
+        unique_rows.append(_sorted_unique(flat, table.weight.shape[0]))
     return unique_rows
 
 
-def _sorted_unique(indices: np.ndarray) -> np.ndarray:
-    """``np.unique(indices)`` by one sort (NumPy 2's hashing unique is about 20x slower on 80k indices)."""
+def _sorted_unique(indices: np.ndarray, num_embeddings: int) -> np.ndarray:
+    """``np.unique(indices)`` for indices in [0, V): seqlib.native's bitmap of the rows where it runs and
+    pays, else one sort (NumPy 2's hashing unique is about 20x slower on 80k indices)."""
+    bitmaps = _row_bitmaps(num_embeddings, indices.size)
+    if bitmaps is not None:
+        return bitmaps.unique_rows(_native_ints(indices), num_embeddings)
     ordered = np.sort(indices)
     return ordered[np.concatenate(([True], ordered[1:] != ordered[:-1]))] if ordered.size else ordered
 

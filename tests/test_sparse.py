@@ -100,14 +100,66 @@ def test_without_sparse_tables_it_is_mlx_value_and_grad():
     assert isinstance(grads["weight"], mx.array) and grads["weight"].shape == (5, 2)
 
 
+def without_row_bitmaps(monkeypatch):
+    """seqlib.sparse renumbers rows with NumPy alone, as where seqlib.native is not built."""
+    monkeypatch.setattr(seqlib.sparse, "_row_bitmaps", lambda num_embeddings, lookups: None)
+
+
 @pytest.mark.parametrize("second", [[3], [-1], [10], [2, 12]])
-@pytest.mark.parametrize("vocab", [10, 100_000])  # renumbered through a (V,) map, and by binary search
-def test_a_loss_that_reads_other_rows_the_second_time_is_refused(second, vocab):
+@pytest.mark.parametrize("vocab", [10, 100_000])  # without bitmaps: through a (V,) map, and by binary search
+@pytest.mark.parametrize("bitmaps", [True, False])
+def test_a_loss_that_reads_other_rows_the_second_time_is_refused(second, vocab, bitmaps, monkeypatch):
+    if not bitmaps:
+        without_row_bitmaps(monkeypatch)
     model = seqlib.nn.Embedding(vocab, 2, sparse=True)
     calls = iter([mx.array([1, 2]), mx.array(second)])
     with pytest.raises(RuntimeError, match="second run"):
         seqlib.sparse.value_and_grad(model, lambda m: m(next(calls)).sum())(model)
     assert model.sparse_recording is None and "weight" in model.trainable_parameters()
+
+
+INDEX_DTYPES = [np.int32, np.int64, np.uint8, np.int16, np.uint32, np.uint64]
+
+
+@given(st.integers(1, 5000), st.integers(0, 3000), st.sampled_from(INDEX_DTYPES), st.integers(0, 2**32 - 1))
+def test_the_row_bitmaps_renumber_rows_as_numpy_does(vocab, count, dtype, seed):
+    """seqlib.native's unique_rows and row_positions give NumPy's sorted rows and positions, any index dtype."""
+    from seqlib.sparse import _Rows, _row_bitmaps, _sorted_unique
+
+    if _row_bitmaps(vocab, count) is None:
+        pytest.skip("seqlib.native is not available here")
+    rng = np.random.default_rng(seed)
+    high = min(vocab, np.iinfo(dtype).max + 1)
+    indices = rng.integers(0, high, size=count).astype(dtype)
+    unique = _sorted_unique(indices, vocab)
+    np.testing.assert_array_equal(unique, np.unique(indices))
+    # the second run's indices: any shape, rows read or not, and values that are no row at all
+    asked = np.concatenate([indices, rng.integers(-3, vocab + 3, size=50)]).astype(np.int64)
+    asked = asked[: asked.size // 2 * 2].reshape(2, -1)
+    with pytest.MonkeyPatch.context() as patch:
+        without_row_bitmaps(patch)
+        numpy_positions = _Rows(unique, vocab).positions(asked)
+    positions = _Rows(unique, vocab).positions(asked)
+    assert positions.shape == asked.shape and positions.dtype == np.int32
+    np.testing.assert_array_equal(positions, numpy_positions)
+    found = positions >= 0
+    np.testing.assert_array_equal(unique[positions[found]], asked[found])
+
+
+def test_the_row_bitmaps_refuse_what_they_cannot_read():
+    bitmaps = seqlib.sparse._row_bitmaps(10, 1)
+    if bitmaps is None:
+        pytest.skip("seqlib.native is not available here")
+    with pytest.raises(IndexError, match=r"indices: every index must lie in \[0, 10\), got 10"):
+        bitmaps.unique_rows(np.array([3, 10], np.int32), 10)
+    with pytest.raises(IndexError, match=r"got -1"):
+        bitmaps.unique_rows(np.array([-1], np.int64), 10)
+    for unique in ([3, 3], [4, 2], [10], [-1]):
+        with pytest.raises(ValueError, match="unique: expected sorted distinct rows in"):
+            bitmaps.row_positions(np.array(unique, np.int32), np.array([1], np.int32), 10)
+    with pytest.raises(ValueError, match="rows: expected a table's row count"):
+        bitmaps.unique_rows(np.array([1], np.int32), -1)
+    assert bitmaps.unique_rows(np.zeros(0, np.int32), 0).shape == (0,)
 
 
 OPTIMIZERS = [

@@ -25,12 +25,14 @@
 // by the count; built without FMA contraction.
 //
 // Work is split over the CPU's threads (the process's affinity, at most OMP_NUM_THREADS): the
-// forward by bags, the backward's scatter by ranges of table rows, each computed whole by one
-// thread in entry order, so the result does not depend on the thread count or on which thread
-// took what.  Indices and bounds are checked once more before any row is read (check_layout).
+// forward by bags, the backward's scatter by ranges of table rows (256 KB each, at least four per
+// thread), each zeroed and then computed whole by one thread in entry order, so the result does
+// not depend on the thread count or on which thread took what.  Sum and mean first group the
+// entries by range (a counting sort), so each range reads only its own entries.  Indices and
+// bounds are checked once more before any row is read (check_layout).
 //
 // Napkin math: the forward reads N D 4 bytes of rows at random and writes B D 4; the backward
-// zeroes V D 4 bytes, then reads B D 4 and adds N D 4 at random.
+// zeroes V D 4 bytes, then reads B D 4 and adds N D 4 at random within each range.
 
 
 #include <algorithm>
@@ -41,6 +43,7 @@
 #include <optional>
 #include <stdexcept>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include <nanobind/nanobind.h>
@@ -228,40 +231,108 @@ void find_max_winners(const float* __restrict table, int64_t dim, const int32_t*
   }
 }
 
-// The gradient of table rows [first_row, end_row) (the other rows belong to other threads): every
-// counted entry that reads one of them adds its bag's cotangent, times its weight (sum) or
-// divided by the bag's count (mean); in max mode each column's cotangent goes to the row that
-// won it (winners, from find_max_winners).
+// The table's gradient is computed by ranges of kSpanBytes of its rows, one range at a time per
+// thread: the range is zeroed, then every counted entry that reads one of its rows adds into it, in
+// entry order, so no two threads write the same float, the sums never depend on the thread count,
+// and the range stays in L2 while its entries add into it.
+constexpr int64_t kSpanBytes = 256 << 10;
+
+struct RowRanges {
+  int64_t span, count;  // rows per range, ranges
+  int64_t of(int32_t row) const { return row / span; }
+  int64_t first(int64_t range) const { return range * span; }
+  int64_t end(int64_t range, int64_t rows) const { return std::min(rows, (range + 1) * span); }
+};
+
+RowRanges row_ranges(int64_t rows, int64_t dim) {
+  const int64_t wanted = std::max<int64_t>(4 * seqlib_cpu::thread_budget(), rows * dim * 4 / kSpanBytes);
+  const int64_t span = std::max<int64_t>((rows + wanted - 1) / wanted, 1);
+  return {span, (rows + span - 1) / span};
+}
+
+// Sum and mean: the counted entries grouped by the row range their index falls in, each group in
+// entry order (a counting sort, by chunks of bags in parallel): group r is positions start[r] to
+// start[r + 1] - 1 of entry and bag.  Mean also needs each bag's count of counted entries (size).
+struct EntriesByRange {
+  std::vector<int32_t> entry, bag;
+  std::vector<int64_t> start;
+  std::vector<float> size;
+};
+
+EntriesByRange group_entries(const int32_t* indices, const int32_t* bounds, int64_t bags, int32_t padding_idx,
+                             const RowRanges& ranges) {
+  const int64_t entries = bounds[bags];
+  const int64_t chunks = std::max<int64_t>(std::min<int64_t>(seqlib_cpu::thread_budget(), bags), 1);
+  const auto bags_of = [&](int64_t chunk) { return std::pair{bags * chunk / chunks, bags * (chunk + 1) / chunks}; };
+  EntriesByRange grouped{std::vector<int32_t>(entries), std::vector<int32_t>(entries),
+                         std::vector<int64_t>(ranges.count + 1), std::vector<float>(bags)};
+  std::vector<int64_t> at(chunks * ranges.count);  // chunk c's count in range r at [c * R + r], then its cursor
+  parallel_for(chunks, entries, [&](int64_t first_chunk, int64_t end_chunk) {
+    for (int64_t c = first_chunk; c < end_chunk; ++c) {
+      int64_t* count = at.data() + c * ranges.count;
+      for (int64_t b = bags_of(c).first; b < bags_of(c).second; ++b) {
+        float size = 0.0f;
+        for (int64_t i = bounds[b]; i < bounds[b + 1]; ++i) {
+          if (indices[i] == padding_idx) continue;
+          ++count[ranges.of(indices[i])];
+          size += 1.0f;
+        }
+        grouped.size[b] = size;
+      }
+    }
+  });
+  int64_t total = 0;  // range by range, and within a range chunk by chunk: entry order
+  for (int64_t r = 0; r < ranges.count; ++r) {
+    grouped.start[r] = total;
+    for (int64_t c = 0; c < chunks; ++c) total += std::exchange(at[c * ranges.count + r], total);
+  }
+  grouped.start[ranges.count] = total;
+  parallel_for(chunks, entries, [&](int64_t first_chunk, int64_t end_chunk) {
+    for (int64_t c = first_chunk; c < end_chunk; ++c) {
+      int64_t* cursor = at.data() + c * ranges.count;
+      for (int64_t b = bags_of(c).first; b < bags_of(c).second; ++b) {
+        for (int64_t i = bounds[b]; i < bounds[b + 1]; ++i) {
+          if (indices[i] == padding_idx) continue;
+          const int64_t to = cursor[ranges.of(indices[i])]++;
+          grouped.entry[to] = static_cast<int32_t>(i), grouped.bag[to] = static_cast<int32_t>(b);
+        }
+      }
+    }
+  });
+  return grouped;
+}
+
+// Sum and mean, one range's rows: each of its entries adds its bag's cotangent, times its weight
+// (sum) or divided by the bag's count (mean).
 template <int kMode>
-void scatter_row_range(int64_t dim, const int32_t* __restrict indices, const int32_t* __restrict bounds, int64_t bags,
-                       const float* __restrict entry_weights, int32_t padding_idx, const int32_t* __restrict winners,
-                       const float* __restrict cotangent, float* __restrict d_table, int64_t first_row,
-                       int64_t end_row) {
-  const auto mine = [&](int32_t index) { return index >= first_row && index < end_row; };
+void scatter_entries(int64_t dim, const int32_t* __restrict indices, const float* __restrict entry_weights,
+                     const EntriesByRange& grouped, int64_t range, const float* __restrict cotangent,
+                     float* __restrict d_table) {
+  for (int64_t k = grouped.start[range]; k < grouped.start[range + 1]; ++k) {
+    const int32_t i = grouped.entry[k], b = grouped.bag[k];
+    const float* __restrict grad = cotangent + b * dim;
+    float* __restrict out = d_table + indices[i] * dim;
+    if (kMode == kMean) {
+      const float size = grouped.size[b];
+      for (int64_t d = 0; d < dim; ++d) out[d] += grad[d] / size;
+    } else if (entry_weights != nullptr) {
+      const float scale = entry_weights[i];
+      for (int64_t d = 0; d < dim; ++d) out[d] += grad[d] * scale;
+    } else {
+      for (int64_t d = 0; d < dim; ++d) out[d] += grad[d];
+    }
+  }
+}
+
+// Max, rows [first_row, end_row): each column's cotangent goes to the row that won it (winners, from
+// find_max_winners), bag by bag.
+void scatter_winners(int64_t dim, int64_t bags, const int32_t* __restrict winners, const float* __restrict cotangent,
+                     float* __restrict d_table, int64_t first_row, int64_t end_row) {
   for (int64_t b = 0; b < bags; ++b) {
     const float* __restrict grad = cotangent + b * dim;
-    if (kMode == kMax) {
-      const int32_t* winner = winners + b * dim;
-      for (int64_t d = 0; d < dim; ++d) {
-        if (mine(winner[d])) d_table[winner[d] * dim + d] += grad[d];
-      }
-      continue;
-    }
-    float size = 0.0f;  // mean: the bag's counted entries
-    if (kMode == kMean) {
-      for (int64_t i = bounds[b]; i < bounds[b + 1]; ++i) size += indices[i] == padding_idx ? 0.0f : 1.0f;
-    }
-    for (int64_t i = bounds[b]; i < bounds[b + 1]; ++i) {
-      if (indices[i] == padding_idx || !mine(indices[i])) continue;
-      float* __restrict out = d_table + indices[i] * dim;
-      if (kMode == kMean) {
-        for (int64_t d = 0; d < dim; ++d) out[d] += grad[d] / size;
-      } else if (entry_weights != nullptr) {
-        const float scale = entry_weights[i];
-        for (int64_t d = 0; d < dim; ++d) out[d] += grad[d] * scale;
-      } else {
-        for (int64_t d = 0; d < dim; ++d) out[d] += grad[d];
-      }
+    const int32_t* winner = winners + b * dim;
+    for (int64_t d = 0; d < dim; ++d) {
+      if (winner[d] >= first_row && winner[d] < end_row) d_table[winner[d] * dim + d] += grad[d];
     }
   }
 }
@@ -279,23 +350,27 @@ void pool_backward(std::vector<mx::array>& ins, std::vector<mx::array>& outs, co
   const int64_t rows = outs[0].shape(0), dim = outs[0].shape(1), bags = ins[0].shape(0), entries = bounds[bags];
   if (rows == 0 || dim == 0) return;
 
-  parallel_for(rows, rows * dim, [&](int64_t first, int64_t end) {
-    std::fill(d_table + first * dim, d_table + end * dim, 0.0f);
-  });
+  const RowRanges ranges = row_ranges(rows, dim);
   std::vector<int32_t> winners(bag.mode == kMax ? bags * dim : 0);
+  EntriesByRange grouped;
   if (bag.mode == kMax) {
     parallel_for(bags, entries * dim, [&](int64_t first_bag, int64_t end_bag) {
       find_max_winners(table, dim, indices, bounds, bag.padding_idx, winners.data(), first_bag, end_bag);
     });
+  } else {
+    grouped = group_entries(indices, bounds, bags, bag.padding_idx, ranges);
   }
-  // Row ranges, one at a time per thread: each scans every entry and adds only into its own rows,
-  // in entry order, so no two threads write the same float and the sums never depend on them.
-  auto scatter = bag.mode == kMax ? scatter_row_range<kMax>
-                                  : (bag.mode == kMean ? scatter_row_range<kMean> : scatter_row_range<kSum>);
-  const int64_t ranges = std::min<int64_t>(4 * seqlib_cpu::thread_budget(), rows);
-  parallel_for(ranges, entries * dim, [&](int64_t first_range, int64_t end_range) {
-    scatter(dim, indices, bounds, bags, entry_weights, bag.padding_idx, winners.data(), cotangent, d_table,
-            rows * first_range / ranges, rows * end_range / ranges);
+  auto scatter = bag.mode == kMean ? scatter_entries<kMean> : scatter_entries<kSum>;
+  parallel_for(ranges.count, rows * dim + entries * dim, [&](int64_t first_range, int64_t end_range) {
+    for (int64_t r = first_range; r < end_range; ++r) {
+      const int64_t first_row = ranges.first(r), end_row = ranges.end(r, rows);
+      std::fill(d_table + first_row * dim, d_table + end_row * dim, 0.0f);
+      if (bag.mode == kMax) {
+        scatter_winners(dim, bags, winners.data(), cotangent, d_table, first_row, end_row);
+      } else {
+        scatter(dim, indices, entry_weights, grouped, r, cotangent, d_table);
+      }
+    }
   });
   if (entry_weights == nullptr) return;
   float* d_entry_weights = outs[1].data<float>();  // sum(cotangent[b] * row) for each counted entry of bag b

@@ -301,5 +301,6 @@ inline const float* row_of(const mx::array& array, size_t row) {
 void register_recurrent(nanobind::module_& m);
 void register_bags(nanobind::module_& m);
 void register_checks(nanobind::module_& m);
+void register_rows(nanobind::module_& m);
 
 }  // namespace seqlib_cpu

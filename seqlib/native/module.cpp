@@ -1,7 +1,8 @@
 // module.cpp: the Python module of seqlib's CPU primitives, _seqlib_cpu, built by seqlib.native.
 //
-// recurrent_cpu.cpp (recurrent layers) and bags_cpu.cpp (embedding bags) each register their
-// operations here; cpu_loop.h holds the one primitive class they share.
+// recurrent_cpu.cpp (recurrent layers), bags_cpu.cpp (embedding bags), checks_cpu.cpp (value checks)
+// and rows_cpu.cpp (seqlib.sparse's row sets) each register their operations here; cpu_loop.h holds
+// the one primitive class they share.
 
 #include <nanobind/nanobind.h>
 
@@ -12,4 +13,5 @@ NB_MODULE(_seqlib_cpu, m) {
   seqlib_cpu::register_recurrent(m);
   seqlib_cpu::register_bags(m);
   seqlib_cpu::register_checks(m);
+  seqlib_cpu::register_rows(m);
 }

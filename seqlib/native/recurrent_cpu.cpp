@@ -690,7 +690,8 @@ void packed_steps(const Loop& loop, int batch, int hidden, const float* w_hh, co
     for (size_t s = 0; s < loop.steps.size(); ++s) {
       const Step& step = loop.steps[s];
       const Step* coming = s + 1 < loop.steps.size() ? &loop.steps[s + 1] : nullptr;
-      const int first_row = rows_of(step).first, end_row = rows_of(step).second;
+      const std::pair<int, int> rows = rows_of(step);  // not a structured binding: the epilogue captures them
+      const int first_row = rows.first, end_row = rows.second;
       // the next step's rows of this thread (more, reversed), whose input sides are asked for a step ahead
       const auto ahead = coming != nullptr ? rows_of(*coming) : std::pair{0, 0};
       const int ahead_first = ahead.first, ahead_end = ahead.second;
