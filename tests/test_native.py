@@ -366,17 +366,21 @@ def test_bags_split_over_threads_add_in_the_same_order_as_one_thread(tmp_path):
     assert_every_thread_count_gives_the_same_bits(BIG_BAGS, tmp_path)
 
 
+# (steps, batch, H) whose loops run on teams of threads: a step's product passes 4M multiply-adds, and its blocks
+# of units are fewer than twice the threads (H = 32, 48 on AVX-512) or not (H = 128), so teams split rows, blocks
+# or both; or, at small batches, w_hh passes 256 KB (H = 256, 128), and teams split blocks.
+LARGE_STEPS = ((6, 1030, 32), (5, 800, 48), (5, 200, 128))
+SMALL_BATCHES = ((6, 1, 256), (5, 3, 128))
 BIG_STEPS = """
     import mlx.core as mx, numpy as np, sys
     from seqlib import native
     rng = np.random.default_rng(0)
     extension, results = native.extension(), []
-    # (steps, batch, H): a step's product passes 4M multiply-adds, and its blocks of units are fewer than twice
-    # the threads (H = 32, 48 on AVX-512) or not (H = 128): teams split rows, blocks or both
-    for steps, batch, hidden in ((6, 1030, 32), (5, 800, 48), (5, 200, 128)):
-        batch_sizes = [batch] * (steps - 2) + [batch - 7, batch // 2]
+    for steps, batch, hidden in {shapes}:
+        batch_sizes = [batch] * (steps - 2) + [max(batch - 7, 1), max(batch // 2, 1)]
         rows = sum(batch_sizes)
-        for gates, function in ((4, extension.lstm_sequence), (3, extension.gru_sequence)):
+        for gates in {gate_counts}:
+            function = extension.lstm_sequence if gates == 4 else extension.gru_sequence
             arrays = [rng.standard_normal(shape).astype(np.float32) * scale for shape, scale in (
                 ((rows, gates * hidden), 1.0), ((gates * hidden, hidden), hidden ** -0.5), ((gates * hidden,), 0.1),
                 ((batch, hidden), 1.0), ((batch, hidden), 1.0))]
@@ -395,7 +399,7 @@ CONCURRENT_LOOPS = """
     import threading, numpy as np, mlx.core as mx
     from seqlib import native
     extension, rng = native.extension(), np.random.default_rng(0)
-    steps, batch, hidden = 6, 1030, 32  # a team of threads (BIG_STEPS)
+    steps, batch, hidden = 6, 1030, 32  # a team of threads (LARGE_STEPS)
     x_gates = mx.array(rng.standard_normal((steps * batch, 4 * hidden)).astype(np.float32))
     w_hh = mx.array(rng.standard_normal((4 * hidden, hidden)).astype(np.float32) * hidden ** -0.5)
     h0 = c0 = mx.zeros((batch, hidden))
@@ -428,8 +432,15 @@ def test_loops_on_several_streams_at_once_share_the_workers_or_start_their_own()
 def test_packed_loops_shared_among_threads_give_the_bits_of_one_thread(tmp_path):
     """The packed forward loops share a step's blocks of units among threads, and where those are too few for the
     threads, its rows too; each output's products add in the same order whichever thread computes it, so every
-    thread count (1 to 4; more where the machine has them) gives the same outputs, saved arrays and gradients."""
-    assert_every_thread_count_gives_the_same_bits(BIG_STEPS, tmp_path, counts=("1", "2", "3", "4", "16"))
+    thread count (1 to 4; more where the machine has them) gives the same outputs, saved arrays and gradients.
+    At small batches the GRU runs packed only with a team (runs_packed), on one thread OpenBLAS's loop."""
+    counts = ("1", "2", "3", "4", "16")
+    assert_every_thread_count_gives_the_same_bits(BIG_STEPS.format(shapes=LARGE_STEPS, gate_counts=(4, 3)), tmp_path,
+                                                  counts=counts)  # fmt: skip
+    assert_every_thread_count_gives_the_same_bits(BIG_STEPS.format(shapes=SMALL_BATCHES, gate_counts=(4,)), tmp_path,
+                                                  counts=counts)  # fmt: skip
+    assert_every_thread_count_gives_the_same_bits(BIG_STEPS.format(shapes=SMALL_BATCHES, gate_counts=(3,)), tmp_path,
+                                                  counts=counts[1:])  # fmt: skip
 
 
 @linux_only

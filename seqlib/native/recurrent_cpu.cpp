@@ -603,11 +603,16 @@ inline void lstm_gate_math(int units, int hidden, const float* x, const float* b
   }
 }
 
-// How many threads a packed loop shares its blocks among: one where a step's product is too small to repay
-// a meeting per step, else as many as the process may use and there are blocks.  Measured on a 2-core
-// Zen 3 VM: (B, H) = (64, 128), 4M multiply-adds a step, ran 3x faster on two threads; (16, 128), 1M, twice
-// as slow (a meeting costs microseconds, more when a neighbour holds the other core).
+// How many threads a packed loop shares its blocks among: one where a step is too small to repay a meeting
+// per step (microseconds, more when a neighbour holds a core), else as many as the process may use and
+// there are blocks.  A step is large enough when its product has 4M multiply-adds, or when w_hh (of four
+// gates) has 256 KB or more: at small batches a step is bound by reading w_hh, which a team reads in
+// parts, each from its own core's cache.  The layer on a 2-core Sapphire Rapids, against a team of one,
+// forward / forward+backward: LSTM (T, B, H) = (50, 1, 256) 0.66 / 0.75, (50, 1, 512) 0.42 / 0.46,
+// (100, 16, 128) 0.79 / 0.90; GRU (50, 1, 512) 0.63 / 0.49; but (100, 2, 64), w_hh 64 KB, 1.02 / 1.04.
+// (Before threads were kept between calls, (16, 128) ran twice as slow on two threads of a 2-core Zen 3.)
 constexpr int64_t kTeamMinMultiplyAdds = 1 << 22;
+constexpr int64_t kTeamMinWeightBytes = 256 << 10;
 
 // Part `part` of `parts` of the range [first, end), the parts as even as they can be.
 inline std::pair<int, int> share_of(int first, int end, int part, int parts) {
@@ -615,7 +620,8 @@ inline std::pair<int, int> share_of(int first, int end, int part, int parts) {
 }
 
 int team_size(int batch, int hidden, int blocks) {
-  if (int64_t{batch} * 4 * hidden * hidden < kTeamMinMultiplyAdds) return 1;
+  const int64_t w_hh_bytes = int64_t{4 * sizeof(float)} * hidden * hidden;
+  if (int64_t{batch} * 4 * hidden * hidden < kTeamMinMultiplyAdds && w_hh_bytes < kTeamMinWeightBytes) return 1;
   return std::max(1, std::min(seqlib_cpu::thread_budget(), blocks / 2));
 }
 
@@ -871,7 +877,7 @@ bool runs_packed_backward(const Loop& loop) { return static_cast<int>(loop.steps
 // of its tile's FMAs are the zero slot's) a team of threads to run it.  Measured in a layer on a 2-core
 // Zen 3 (AVX2), OpenBLAS's workers then spinning for 2^20 cycles: the LSTM packed ahead at every size, from
 // (B, H) = (1, 256) to (20, 650); the GRU packed on two threads ahead from (64, 128) to (20, 650), on
-// one thread behind at (1, 256).
+// one thread behind at (1, 256) (which now has a team: see team_size).
 bool runs_packed(const Loop& loop, int batch, int hidden, int gate_count) {
   const int blocks = (hidden + kUnits - 1) / kUnits;
   return static_cast<int>(loop.steps.size()) >= kPackedMinSteps &&
