@@ -132,17 +132,18 @@ class _Rows:
 
     unique: np.ndarray  # (U,) the rows, sorted
     num_embeddings: int  # V, the table's rows
+    lookups: int = 1  # how many times the first run looked the table up
     rows: mx.array | None = None
     position_of: np.ndarray | None = None  # (V,) where each table row is in `unique` (-1: not there), made once
 
     def positions(self, flat: np.ndarray) -> np.ndarray:
         """Where each of ``flat``'s rows is in ``unique``; -1 where it is not there (or not a row at all).
 
-        seqlib.native's bitmap of the rows (O(V / 64 + N)) where it runs and V is within a factor of
-        the rows read; else a (V,) map, filled in O(V), where V is within a smaller factor; otherwise
-        a binary search per index.
+        For a table looked up once, seqlib.native's bitmap of the rows (O(V / 64 + U + N)) where it
+        runs and V is within a factor of the rows read; else a (V,) map, filled in O(V) once for all
+        lookups, where V is within a smaller factor; otherwise a binary search per index.
         """
-        bitmaps = _row_bitmaps(self.num_embeddings, flat.size)
+        bitmaps = _row_bitmaps(self.num_embeddings, flat.size) if self.lookups == 1 else None
         if bitmaps is not None:
             unique = self.unique.astype(np.int32, copy=False)
             return bitmaps.row_positions(unique, _native_ints(flat), self.num_embeddings).reshape(flat.shape)
@@ -290,7 +291,8 @@ def _sorted_unique(indices: np.ndarray, num_embeddings: int) -> np.ndarray:
 
 def _differentiate(model, tables, unique_rows, fn, args, kwargs):
     """Second run: gradients of the dense parameters and of the gathered rows."""
-    states = [_Rows(unique, table.weight.shape[0]) for (_, table), unique in zip(tables, unique_rows, strict=True)]
+    states = [_Rows(unique, table.weight.shape[0], lookups=len(table.sparse_recording.calls))  # the first run's
+              for (_, table), unique in zip(tables, unique_rows, strict=True)]  # fmt: skip
     rows = [_gather_rows(table.weight, unique) for (_, table), unique in zip(tables, unique_rows, strict=True)]
 
     def loss_of(dense_params, table_rows):

@@ -444,6 +444,20 @@ def test_packed_loops_shared_among_threads_give_the_bits_of_one_thread(tmp_path)
 
 
 @linux_only
+def test_the_bag_backward_of_a_table_without_columns_gives_zero_entry_weight_gradients():
+    """D = 0: nothing to scatter, and each entry weight's gradient is an empty dot product, 0."""
+    extension = native.extension()
+    indices, bounds, entry_weights = mx.array([1, 0, 1]), mx.array([0, 2, 3]), mx.array([0.5, -1.0, 2.0])
+    for rows in (2, 0):
+        if rows == 0:
+            indices, bounds, entry_weights = mx.zeros((0,), mx.int32), mx.array([0, 0, 0]), mx.zeros((0,))
+        d_table, d_weights = extension.bag_pool_backward(mx.zeros((2, 0)), mx.zeros((rows, 0)), indices, bounds,
+                                                         entry_weights, 0, -1)  # fmt: skip
+        assert d_table.shape == (rows, 0)
+        np.testing.assert_array_equal(np.array(d_weights), np.zeros(entry_weights.shape, np.float32))
+
+
+@linux_only
 def test_the_bag_primitive_refuses_arrays_of_other_kinds():
     extension = native.extension()
     weight, bounds = mx.zeros((4, 3)), mx.array([0, 2])

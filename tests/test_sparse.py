@@ -142,6 +142,7 @@ def test_the_row_bitmaps_renumber_rows_as_numpy_does(vocab, count, dtype, seed):
     positions = _Rows(unique, vocab).positions(asked)
     assert positions.shape == asked.shape and positions.dtype == np.int32
     np.testing.assert_array_equal(positions, numpy_positions)
+    np.testing.assert_array_equal(_Rows(unique, vocab, lookups=3).positions(asked), numpy_positions)  # a (V,) map
     found = positions >= 0
     np.testing.assert_array_equal(unique[positions[found]], asked[found])
 
@@ -159,6 +160,14 @@ def test_the_row_bitmaps_refuse_what_they_cannot_read():
             bitmaps.row_positions(np.array(unique, np.int32), np.array([1], np.int32), 10)
     with pytest.raises(ValueError, match="rows: expected a table's row count"):
         bitmaps.unique_rows(np.array([1], np.int32), -1)
+    # other dtypes are refused, not cast: 2**32 + 3 as int32 would be row 3, 3.7 would be row 3
+    for indices in (np.array([2**32 + 3], np.uint64), np.array([3.7]), np.array([3], np.int16)):
+        with pytest.raises(TypeError):
+            bitmaps.unique_rows(indices, 10)
+        with pytest.raises(TypeError):
+            bitmaps.row_positions(np.array([3], np.int32), indices, 10)
+    with pytest.raises(TypeError):
+        bitmaps.row_positions(np.array([2**32 + 3], np.int64), np.array([3], np.int32), 10)
     assert bitmaps.unique_rows(np.zeros(0, np.int32), 0).shape == (0,)
 
 

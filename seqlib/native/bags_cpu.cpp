@@ -231,10 +231,11 @@ void find_max_winners(const float* __restrict table, int64_t dim, const int32_t*
   }
 }
 
-// The table's gradient is computed by ranges of kSpanBytes of its rows, one range at a time per
-// thread: the range is zeroed, then every counted entry that reads one of its rows adds into it, in
-// entry order, so no two threads write the same float, the sums never depend on the thread count,
-// and the range stays in L2 while its entries add into it.
+// The table's gradient is computed by ranges of its rows, one range at a time per thread: the range is
+// zeroed, then every counted entry that reads one of its rows adds into it, in entry order, so no two
+// threads write the same float and the sums never depend on the thread count.  Sum and mean use ranges
+// of kSpanBytes, which stay in L2 while their entries add into them; max mode, whose every range reads
+// all the bags' winners, uses four ranges per thread.
 constexpr int64_t kSpanBytes = 256 << 10;
 
 struct RowRanges {
@@ -244,8 +245,9 @@ struct RowRanges {
   int64_t end(int64_t range, int64_t rows) const { return std::min(rows, (range + 1) * span); }
 };
 
-RowRanges row_ranges(int64_t rows, int64_t dim) {
-  const int64_t wanted = std::max<int64_t>(4 * seqlib_cpu::thread_budget(), rows * dim * 4 / kSpanBytes);
+RowRanges row_ranges(int64_t rows, int64_t dim, bool by_span) {
+  const int64_t per_thread = 4 * seqlib_cpu::thread_budget();
+  const int64_t wanted = by_span ? std::max<int64_t>(per_thread, rows * dim * 4 / kSpanBytes) : per_thread;
   const int64_t span = std::max<int64_t>((rows + wanted - 1) / wanted, 1);
   return {span, (rows + span - 1) / span};
 }
@@ -271,13 +273,13 @@ EntriesByRange group_entries(const int32_t* indices, const int32_t* bounds, int6
     for (int64_t c = first_chunk; c < end_chunk; ++c) {
       int64_t* count = at.data() + c * ranges.count;
       for (int64_t b = bags_of(c).first; b < bags_of(c).second; ++b) {
-        float size = 0.0f;
+        int64_t size = 0;
         for (int64_t i = bounds[b]; i < bounds[b + 1]; ++i) {
           if (indices[i] == padding_idx) continue;
           ++count[ranges.of(indices[i])];
-          size += 1.0f;
+          ++size;
         }
-        grouped.size[b] = size;
+        grouped.size[b] = static_cast<float>(size);  // as the forward divides
       }
     }
   });
@@ -348,9 +350,12 @@ void pool_backward(std::vector<mx::array>& ins, std::vector<mx::array>& outs, co
   const float* entry_weights = bag.weighted ? ins[4].data<float>() : nullptr;
   float* d_table = outs[0].data<float>();
   const int64_t rows = outs[0].shape(0), dim = outs[0].shape(1), bags = ins[0].shape(0), entries = bounds[bags];
-  if (rows == 0 || dim == 0) return;
+  if (rows == 0 || dim == 0) {  // no table to scatter into; every entry weight's dot product is empty
+    if (entry_weights != nullptr) std::fill(outs[1].data<float>(), outs[1].data<float>() + entries, 0.0f);
+    return;
+  }
 
-  const RowRanges ranges = row_ranges(rows, dim);
+  const RowRanges ranges = row_ranges(rows, dim, bag.mode != kMax);
   std::vector<int32_t> winners(bag.mode == kMax ? bags * dim : 0);
   EntriesByRange grouped;
   if (bag.mode == kMax) {

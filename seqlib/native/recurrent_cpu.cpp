@@ -607,7 +607,7 @@ inline void lstm_gate_math(int units, int hidden, const float* x, const float* b
 // per step (microseconds, more when a neighbour holds a core), else as many as the process may use and
 // there are blocks.  A step is large enough when its product has 4M multiply-adds, or when w_hh (of four
 // gates) has 256 KB or more: at small batches a step is bound by reading w_hh, which a team reads in
-// parts, each from its own core's cache.  The layer on a 2-core Sapphire Rapids, against a team of one,
+// parts, each from its own core's cache (each part at least half that, so that reading it outlasts a meeting).  The layer on a 2-core Sapphire Rapids, against a team of one,
 // forward / forward+backward: LSTM (T, B, H) = (50, 1, 256) 0.66 / 0.75, (50, 1, 512) 0.42 / 0.46,
 // (100, 16, 128) 0.79 / 0.90; GRU (50, 1, 512) 0.63 / 0.49; but (100, 2, 64), w_hh 64 KB, 1.02 / 1.04.
 // (Before threads were kept between calls, (16, 128) ran twice as slow on two threads of a 2-core Zen 3.)
@@ -620,9 +620,13 @@ inline std::pair<int, int> share_of(int first, int end, int part, int parts) {
 }
 
 int team_size(int batch, int hidden, int blocks) {
-  const int64_t w_hh_bytes = int64_t{4 * sizeof(float)} * hidden * hidden;
-  if (int64_t{batch} * 4 * hidden * hidden < kTeamMinMultiplyAdds && w_hh_bytes < kTeamMinWeightBytes) return 1;
-  return std::max(1, std::min(seqlib_cpu::thread_budget(), blocks / 2));
+  int64_t most = std::min(seqlib_cpu::thread_budget(), blocks / 2);
+  if (int64_t{batch} * 4 * hidden * hidden < kTeamMinMultiplyAdds) {  // a team only to read w_hh in parts
+    const int64_t w_hh_bytes = int64_t{4 * sizeof(float)} * hidden * hidden;
+    if (w_hh_bytes < kTeamMinWeightBytes) return 1;
+    most = std::min(most, w_hh_bytes / (kTeamMinWeightBytes / 2));
+  }
+  return static_cast<int>(std::max<int64_t>(1, most));
 }
 
 // How many parts a packed loop's team splits the rows into: where team_size leaves threads idle (fewer

@@ -5,7 +5,7 @@
 // does this with a sort and a (V,) map from row to position; for N = 85k and V = 1M that took
 // about 2.5 ms, most of it page faults of the fresh 4 MB map.  Here one bitmap of the V rows
 // (V / 8 bytes: 125 KB for a million rows, which stays in L2) and the count of set bits before
-// each 64-row word do both in O(V / 64 + N), on NumPy arrays (int32 or int64):
+// each 64-row word do both in O(V / 64 + N), on contiguous 1-D NumPy arrays (int32 or int64):
 //
 //   unique_rows(indices, rows)            the distinct values of indices, sorted, as int32; every
 //                                         one must lie in [0, rows) (an IndexError otherwise)
@@ -123,9 +123,11 @@ Rows row_positions(Indices<int32_t> unique, Indices<T> indices, int64_t rows) {
 
 }  // namespace
 
+// The arrays are taken as they are (noconvert): another dtype is a TypeError, never a cast that would
+// wrap or truncate an index into some row.
 void seqlib_cpu::register_rows(nb::module_& m) {
-  m.def("unique_rows", &unique_rows<int32_t>, "indices"_a, "rows"_a);
-  m.def("unique_rows", &unique_rows<int64_t>, "indices"_a, "rows"_a);
-  m.def("row_positions", &row_positions<int32_t>, "unique"_a, "indices"_a, "rows"_a);
-  m.def("row_positions", &row_positions<int64_t>, "unique"_a, "indices"_a, "rows"_a);
+  m.def("unique_rows", &unique_rows<int32_t>, "indices"_a.noconvert(), "rows"_a);
+  m.def("unique_rows", &unique_rows<int64_t>, "indices"_a.noconvert(), "rows"_a);
+  m.def("row_positions", &row_positions<int32_t>, "unique"_a.noconvert(), "indices"_a.noconvert(), "rows"_a);
+  m.def("row_positions", &row_positions<int64_t>, "unique"_a.noconvert(), "indices"_a.noconvert(), "rows"_a);
 }
