@@ -607,9 +607,10 @@ inline void lstm_gate_math(int units, int hidden, const float* x, const float* b
 // per step (microseconds, more when a neighbour holds a core), else as many as the process may use and
 // there are blocks.  A step is large enough when its product has 4M multiply-adds, or when w_hh (of four
 // gates) has 256 KB or more: at small batches a step is bound by reading w_hh, which a team reads in
-// parts, each from its own core's cache (each part at least half that, so that reading it outlasts a meeting).  The layer on a 2-core Sapphire Rapids, against a team of one,
-// forward / forward+backward: LSTM (T, B, H) = (50, 1, 256) 0.66 / 0.75, (50, 1, 512) 0.42 / 0.46,
-// (100, 16, 128) 0.79 / 0.90; GRU (50, 1, 512) 0.63 / 0.49; but (100, 2, 64), w_hh 64 KB, 1.02 / 1.04.
+// parts, each from its own core's cache (each part at least half that, so that reading it outlasts a
+// meeting).  The layer on a 2-core Sapphire Rapids, against a team of one, forward / forward+backward:
+// LSTM (T, B, H) = (50, 1, 256) 0.66 / 0.75, (50, 1, 512) 0.42 / 0.46, (100, 16, 128) 0.79 / 0.90;
+// GRU (50, 1, 512) 0.63 / 0.49; but (100, 2, 64), w_hh 64 KB, 1.02 / 1.04.
 // (Before threads were kept between calls, (16, 128) ran twice as slow on two threads of a 2-core Zen 3.)
 constexpr int64_t kTeamMinMultiplyAdds = 1 << 22;
 constexpr int64_t kTeamMinWeightBytes = 256 << 10;
