@@ -265,7 +265,7 @@ EntriesByRange group_entries(const int32_t* indices, const int32_t* bounds, int6
                              const RowRanges& ranges) {
   const int64_t entries = bounds[bags];
   const int64_t chunks = std::max<int64_t>(std::min<int64_t>(seqlib_cpu::thread_budget(), bags), 1);
-  const auto bags_of = [&](int64_t chunk) { return std::pair{bags * chunk / chunks, bags * (chunk + 1) / chunks}; };
+  const auto bags_of = [&](int64_t chunk) { return seqlib_cpu::share_of<int64_t>(0, bags, chunk, chunks); };
   EntriesByRange grouped{std::vector<int32_t>(entries), std::vector<int32_t>(entries),
                          std::vector<int64_t>(ranges.count + 1), std::vector<float>(bags)};
   std::vector<int64_t> at(chunks * ranges.count);  // chunk c's count in range r at [c * R + r], then its cursor

@@ -26,6 +26,7 @@
 #include <string>
 #include <thread>
 #include <type_traits>
+#include <utility>
 #include <vector>
 
 #include <nanobind/nanobind.h>
@@ -164,6 +165,12 @@ class CpuLoop : public mx::Primitive {
 };
 
 inline mx::Stream cpu_stream() { return mx::default_stream(mx::Device(mx::Device::cpu)); }
+
+// Part `part` of `parts` of the range [first, end), the parts as even as they can be.
+template <class Int>
+std::pair<Int, Int> share_of(Int first, Int end, Int part, Int parts) {
+  return {first + (end - first) * part / parts, first + (end - first) * (part + 1) / parts};
+}
 
 // Threads a loop may use: the CPUs this process may run on, at most OMP_NUM_THREADS where that is set.
 inline int thread_budget() {

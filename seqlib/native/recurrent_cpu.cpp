@@ -615,10 +615,7 @@ inline void lstm_gate_math(int units, int hidden, const float* x, const float* b
 constexpr int64_t kTeamMinMultiplyAdds = 1 << 22;
 constexpr int64_t kTeamMinWeightBytes = 256 << 10;
 
-// Part `part` of `parts` of the range [first, end), the parts as even as they can be.
-inline std::pair<int, int> share_of(int first, int end, int part, int parts) {
-  return {first + (end - first) * part / parts, first + (end - first) * (part + 1) / parts};
-}
+using seqlib_cpu::share_of;
 
 int team_size(int batch, int hidden, int blocks) {
   int64_t most = std::min(seqlib_cpu::thread_budget(), blocks / 2);
