@@ -70,7 +70,7 @@ from seqlib.pointwise import (
     rnn_step,
 )
 
-__all__ = ["gru_sequence", "lstm_sequence", "rnn_sequence"]
+__all__ = ["gru_sequence", "lstm_sequence", "rnn_sequence", "time_major"]
 
 
 # ----------------------------------------------------------------- the sequence loop
@@ -399,3 +399,19 @@ def rnn_sequence(x_gates, w_hh, h0, batch_sizes, reverse=False, nonlinearity="ta
     function = _rnn_sequence_function(batch_sizes, reverse, nonlinearity, path == "kernels")
     output, h_n = function(x_gates, w_hh, h0)[:2]
     return output, h_n
+
+
+# ----------------------------------------------------------------- a batch-first input
+
+
+def time_major(batch_first: mx.array) -> mx.array:
+    """A batch-first sequence ``(B, T, *)`` as time-major ``(T, B, *)``: ``batch_first.swapaxes(0, 1)``.
+
+    Where :mod:`seqlib.dispatch` picks the C++ primitives, a row-contiguous copy made on several threads
+    (MLX copies a swapaxes view on one: 0.65 ms of the LSTM's 11 ms forward at (B, T, D) = (32, 100, 256)
+    on 16 cores), whose gradient is the cotangent's view swapped back, as MLX's; elsewhere the view (which
+    the layers' reshape into rows then copies).  Same values either way, bit for bit.
+    """
+    if path_for(batch_first.dtype) == "native":
+        return native.extension().swap_leading_axes(batch_first)
+    return batch_first.swapaxes(0, 1)

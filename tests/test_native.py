@@ -482,6 +482,48 @@ def test_take_rows_copies_rows_bit_for_bit():
 
 
 @linux_only
+@settings(max_examples=30, deadline=None)
+@given(shape=st.lists(st.integers(0, 6), min_size=2, max_size=4), strided=st.booleans(), seed=st.integers(0, 1000))
+def test_a_batch_first_input_is_copied_time_major_bit_for_bit(shape, strided, seed):
+    """scan.time_major on the native path copies x.swapaxes(0, 1) with SwapLeadingAxes, bit for bit, for any shape
+    (empty axes too) and from a strided view; its gradient is the cotangent swapped back, under mx.grad, mx.vmap and
+    mx.compile(shapeless=True) alike."""
+    x = random([2 * shape[0], *shape[1:]], seed)
+    x = x[::2] if strided else x[: shape[0]]
+    want = np.swapaxes(np.array(x), 0, 1)
+    copied = scan.time_major(x)
+    assert copied.shape == want.shape and np.array(copied).tobytes() == want.tobytes()
+    cotangent = random(want.shape, seed + 1)
+    grad = mx.grad(lambda x: (scan.time_major(x) * cotangent).sum())(x)
+    np.testing.assert_array_equal(np.array(grad), np.swapaxes(np.array(cotangent), 0, 1))
+    if x.ndim > 2:
+        mapped = mx.vmap(scan.time_major)(x)
+        np.testing.assert_array_equal(np.array(mapped), np.swapaxes(np.array(x), 1, 2))
+    compiled = mx.compile(lambda x: scan.time_major(x) * 2, shapeless=True)
+    np.testing.assert_array_equal(np.array(compiled(x)), want * 2)
+
+
+@linux_only
+def test_the_time_major_copy_keeps_every_bit_on_many_threads_and_refuses_misfits():
+    x = random((64, 200, 128), 3)  # 6.5 MB: a team of threads
+    x = mx.where(mx.arange(128) == 5, mx.array(float("nan")), mx.where(mx.arange(128) == 6, mx.array(-0.0), x))
+    copied = native.extension().swap_leading_axes(x)
+    assert np.array(copied).tobytes() == np.ascontiguousarray(np.swapaxes(np.array(x), 0, 1)).tobytes()
+    with tempfile.TemporaryDirectory() as folder:  # a batch_first layer reads its input through it
+        import seqlib
+
+        layer = seqlib.nn.LSTM(128, 8, batch_first=True)
+        mx.export_to_dot(os.path.join(folder, "graph.dot"), layer(x[:2, :3])[0])
+        assert "SwapLeadingAxes" in open(os.path.join(folder, "graph.dot")).read()
+    with pytest.raises(ValueError, match="x float32 with at least 2 axes, got \\(3,\\)"):
+        native.extension().swap_leading_axes(mx.zeros((3,)))
+    with pytest.raises(ValueError, match="not float32"):
+        native.extension().swap_leading_axes(mx.zeros((3, 2), mx.float16))
+    with pytest.raises(TypeError):
+        native.extension().swap_leading_axes(np.zeros((3, 2), np.float32))
+
+
+@linux_only
 @settings(max_examples=20, deadline=None)
 @given(shape=st.lists(st.integers(0, 5), min_size=0, max_size=3), padding=st.booleans(), by_freq=st.booleans(),
        lazy=st.booleans(), seed=st.integers(0, 1000))

@@ -104,8 +104,14 @@ class CpuLoop : public mx::Primitive {
     for (int k = 0; k < size; ++k) {
       std::vector<mx::array> slice;
       for (size_t i = 0; i < inputs.size(); ++i) {
-        slice.push_back(axes[i] >= 0 ? mx::contiguous(mx::take(inputs[i], k, axes[i], stream()), false, stream())
-                                     : inputs[i]);
+        if (axes[i] < 0) {
+          slice.push_back(inputs[i]);
+          continue;
+        }
+        mx::Shape start(inputs[i].ndim(), 0), stop = inputs[i].shape();
+        start[axes[i]] = k, stop[axes[i]] = k + 1;  // a slice, not a take, which refuses empty arrays
+        const mx::array one = mx::squeeze(mx::slice(inputs[i], start, stop, stream()), axes[i], stream());
+        slice.push_back(mx::contiguous(one, false, stream()));
       }
       std::vector<mx::Shape> slice_shapes;
       for (auto& array : slice) slice_shapes.push_back(array.shape());
@@ -115,7 +121,15 @@ class CpuLoop : public mx::Primitive {
       for (size_t j = 0; j < outputs.size(); ++j) results[j].push_back(outputs[j]);
     }
     std::vector<mx::array> stacked;
-    for (auto& result : results) stacked.push_back(mx::stack(result, 0, stream()));
+    for (size_t j = 0; j < results.size(); ++j) {  // an empty mapped axis: no loop, empty outputs
+      if (size == 0) {
+        mx::Shape shape = shapes_[j];
+        shape.insert(shape.begin(), 0);
+        stacked.push_back(mx::zeros(shape, dtypes_[j], stream()));
+      } else {
+        stacked.push_back(mx::stack(results[j], 0, stream()));
+      }
+    }
     return {stacked, std::vector<int>(stacked.size(), 0)};
   }
 

@@ -37,6 +37,7 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
+from seqlib import scan
 from seqlib._checks import check_choice, check_positive_ints
 from seqlib.nn.recurrence import GRURecurrence, LSTMRecurrence, RNNRecurrence
 from seqlib.nn.state_dict import TorchStateDictMixin
@@ -232,7 +233,7 @@ class _RNNBase(TorchStateDictMixin, nn.Module):
                 f"(seq_len, {self.input_size}) one, got shape {tuple(input.shape)}"
             )
         batched = input.ndim == 3
-        sequence = input if not batched else (input.swapaxes(0, 1) if self.batch_first else input)
+        sequence = input if not batched else (scan.time_major(input) if self.batch_first else input)
         if not batched:
             sequence = sequence[:, None]
         if sequence.shape[0] == 0:  # as torch; a batch of 0 sequences is fine
