@@ -5,6 +5,7 @@ on x86 those kernels are scalar code.  ``recurrent_cpu.cpp`` adds MLX primitives
 (``mlx::core::Primitive`` subclasses with ``eval_cpu``, MLX's documented way to add an
 operation) that run a whole LSTM, GRU or Elman RNN layer-direction in one operation: per
 time step one OpenBLAS call and one loop of gate math vectorised for the host's CPU.
+It also copies a batch-first input time-major on several threads (MLX copies on one).
 ``bags_cpu.cpp`` pools embedding bags straight from the table, in one pass, forward and
 backward.  For streaming, ``lstm_step``/``gru_step``/``rnn_step`` run one time step of a cell
 or a stack of layers at once, outside MLX's graph (an MLX graph per step at batch 1 costs
