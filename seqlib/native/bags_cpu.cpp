@@ -90,27 +90,7 @@ void check_layout(const mx::array& indices, const mx::array* bounds, int64_t row
   }
 }
 
-// Run body(begin, end) over [0, count) in chunks that threads take in turn from a shared
-// counter, so a thread slowed by another process (a busy core) takes fewer of them; `work`
-// (about the floats touched) decides whether more threads than one are worth starting.  Each
-// index is handled by one body call, whichever thread makes it.
-template <class Body>
-void parallel_for(int64_t count, int64_t work, Body body) {
-  constexpr int64_t kWorkPerThread = 1 << 16;
-  const int64_t threads = std::min<int64_t>({seqlib_cpu::thread_budget(), count, std::max<int64_t>(work / kWorkPerThread, 1)});
-  if (threads <= 1) {
-    body(int64_t{0}, count);
-    return;
-  }
-  const int64_t chunk = std::max<int64_t>(count / (threads * 8), 1);
-  std::atomic<int64_t> next{0};
-  auto take_chunks = [&] {
-    for (int64_t begin = next.fetch_add(chunk); begin < count; begin = next.fetch_add(chunk)) {
-      body(begin, std::min(begin + chunk, count));
-    }
-  };
-  seqlib_cpu::run_parallel(static_cast<int>(threads), [&](int) { take_chunks(); });
-}
+using seqlib_cpu::parallel_for;
 
 constexpr int kAhead = 16;  // how many entries ahead rows are prefetched (about one bag)
 

@@ -292,6 +292,28 @@ void run_parallel(int parts, Body&& body) {
   for (auto& thread : started) thread.join();
 }
 
+// Run body(begin, end) over [0, count) in chunks that threads take in turn from a shared
+// counter, so a thread slowed by another process (a busy core) takes fewer of them; `work`
+// (about the floats touched) decides whether more threads than one are worth starting.  Each
+// index is handled by one body call, whichever thread makes it.
+template <class Body>
+void parallel_for(int64_t count, int64_t work, Body body) {
+  constexpr int64_t kWorkPerThread = 1 << 16;
+  const int64_t threads = std::min<int64_t>({thread_budget(), count, std::max<int64_t>(work / kWorkPerThread, 1)});
+  if (threads <= 1) {
+    body(int64_t{0}, count);
+    return;
+  }
+  const int64_t chunk = std::max<int64_t>(count / (threads * 8), 1);
+  std::atomic<int64_t> next{0};
+  auto take_chunks = [&] {
+    for (int64_t begin = next.fetch_add(chunk); begin < count; begin = next.fetch_add(chunk)) {
+      body(begin, std::min(begin + chunk, count));
+    }
+  };
+  run_parallel(static_cast<int>(threads), [&](int) { take_chunks(); });
+}
+
 // The outputs (given shapes and dtypes) of one CpuLoop call on row-contiguous copies of its inputs.
 template <class Params>
 std::vector<mx::array> make_loop(const char* name, typename CpuLoop<Params>::Runner runner,

@@ -1756,8 +1756,6 @@ struct Swap {
   bool operator==(const Swap&) const = default;
 };
 
-constexpr int64_t kSwapBytesPerThread = 256 << 10;  // a thread's wake-up (about 10 us) against its share
-
 // (A, B, *) -> (B, A, *) for any number of trailing axes (mx.compile(shapeless=True)).
 std::vector<mx::Shape> swapped_shape(const std::vector<mx::array>& inputs) {
   mx::Shape shape = inputs[0].shape();
@@ -1769,14 +1767,11 @@ std::vector<mx::Shape> swapped_shape(const std::vector<mx::array>& inputs) {
 void swap_leading(std::vector<mx::array>& ins, std::vector<mx::array>& outs, const Swap&) {
   const mx::array& x = ins[0];
   const int64_t first_axis = x.shape(0), second_axis = x.shape(1);
-  const int64_t width = first_axis * second_axis == 0 ? 0 : static_cast<int64_t>(x.size()) / (first_axis * second_axis);
+  int64_t width = 1;  // floats in x[a, b]
+  for (int axis = 2; axis < x.ndim(); ++axis) width *= x.shape(axis);
   const float* from = x.data<float>();
   float* to = outs[0].data<float>();
-  const int64_t bytes = static_cast<int64_t>(sizeof(float)) * x.size();
-  const int parts = static_cast<int>(std::clamp<int64_t>(std::min<int64_t>(bytes / kSwapBytesPerThread, second_axis), 1,
-                                                         seqlib_cpu::thread_budget()));
-  seqlib_cpu::run_parallel(parts, [&](int part) {
-    const auto [first, end] = seqlib_cpu::share_of<int64_t>(0, second_axis, part, parts);
+  seqlib_cpu::parallel_for(second_axis, static_cast<int64_t>(x.size()), [&](int64_t first, int64_t end) {
     for (int64_t b = first; b < end; ++b) {
       for (int64_t a = 0; a < first_axis; ++a) {
         std::memcpy(to + (b * first_axis + a) * width, from + (a * second_axis + b) * width, sizeof(float) * width);
