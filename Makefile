@@ -95,9 +95,19 @@ unit-emulate: $(VENV)/.test-installed  ## the torch-parity tests with SEQLIB_BAC
 	@echo "==> [$$(date +%T)] torch-parity tests on the emulated Metal kernels (SEQLIB_BACKEND=emulate)"
 	SEQLIB_BACKEND=emulate $(BIN)/python -m pytest $(PARITY_TESTS) -p no:randomly
 
-nbval: $(VENV)/.test-installed  ## re-run every chapter and compare with its stored outputs
+# Where the built book matches its sources (in `make test`, which builds it first), each chapter's
+# kernel then also recomputes a sample of the chapter page's precomputed controls and compares them
+# with the page (tests/nbval_players.py): what a reader sees online is what a kernel would show.
+PLAYERS := -p tests.nbval_players --players-site _build/html
+# Through a variable, so that `make -n nbval` runs nothing (make runs a recipe line naming $(MAKE) even under -n).
+BOOK_IS_CURRENT = $(MAKE) --no-print-directory -q $(BOOK_STAMP)
+
+nbval: $(VENV)/.test-installed  ## re-run every chapter and compare with its stored outputs (and the built pages' controls)
 	@echo "==> [$$(date +%T)] nbval: re-running the chapters against their stored outputs"
-	$(NBVAL)
+	@if $(BOOK_IS_CURRENT); then \
+	    echo "    and the built pages' controls against each chapter's kernel"; players="$(PLAYERS)"; \
+	else echo "    (no built book matching the sources: the pages' controls are not checked; make book first)"; fi; \
+	set -x; $(NBVAL) $$players
 
 nbval-numerics: $(VENV)/.test-installed  ## nbval again under other float32 numerics (other BLAS kernels, one thread)
 	@echo "==> [$$(date +%T)] nbval under other numerics: $(OTHER_NUMERICS)"
