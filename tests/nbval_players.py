@@ -26,6 +26,7 @@ from pathlib import Path
 
 import nbformat
 import numpy as np
+import pytest
 from nbval.plugin import IPyNbCell
 
 SAMPLES = 2  # random settings per player, besides its default
@@ -48,6 +49,12 @@ def pytest_addoption(parser):
     )  # fmt: skip
 
 
+def pytest_configure(config):
+    site = config.getoption("players_site")
+    if site is not None and not (site / "chapters").is_dir():
+        raise pytest.UsageError(f"--players-site: expected a built site with a chapters/ folder, got {site}")
+
+
 def pytest_collection_modifyitems(session, config, items):
     site = config.getoption("players_site")
     if site is None:
@@ -57,11 +64,13 @@ def pytest_collection_modifyitems(session, config, items):
         checked.append(item)
         last_cell = isinstance(item, IPyNbCell) and (i + 1 == len(items) or items[i + 1].parent is not item.parent)
         page = site / "chapters" / (Path(item.path).stem + ".html") if last_cell else None
-        if page is not None and players(page):
+        on_page = players(page) if page is not None else []
+        if on_page:
             checked.append(
                 PlayersMatchThePage.from_parent(
                     item.parent, name="players match the built page", cell_num=item.cell_num + 1,
-                    cell=nbformat.v4.new_code_cell(""), options=defaultdict(bool, check=False), page=page,
+                    cell=nbformat.v4.new_code_cell(""), options=defaultdict(bool, check=False),
+                    page=page, on_page=on_page,
                 )
             )  # fmt: skip
     items[:] = checked
@@ -106,12 +115,12 @@ def differences(stored: str, live: str) -> str | None:
 class PlayersMatchThePage(IPyNbCell):
     """Renders a sample of the page's player settings in the chapter's kernel, as nbval left it."""
 
-    def __init__(self, *args, page: Path, **kwargs):
+    def __init__(self, *args, page: Path, on_page: list[dict], **kwargs):
         super().__init__(*args, **kwargs)
         self.page = page
         rng = random.Random(f"{SEED}:{page.name}")
         self.asked, self.stored = [], []
-        for player in players(page):
+        for player in on_page:
             for j in sample(player, rng):
                 setting = {
                     c["name"]: c["values"][k] for c, k in zip(player["controls"], player["settings"][j], strict=True)
