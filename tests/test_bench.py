@@ -1,6 +1,7 @@
 """The benchmark harness runs end to end (small sizes) and validates before it times."""
 
 import platform
+import re
 import subprocess
 import sys
 
@@ -74,6 +75,21 @@ def test_the_ratio_column_fits_a_long_baseline_name(capsys):
     assert "vs torch  vs four separate products" in header
     assert header.split() == ["implementation", "median", "ms", "vs", "torch", "vs", "four", "separate", "products",
                               "GB/s", "GFLOP/s"]  # fmt: skip
+
+
+def test_the_scaling_table_times_mlx_nn_only_up_to_its_cap_and_says_so(capsys, monkeypatch):
+    from seqlib.bench import recurrent_suite
+
+    monkeypatch.setattr(recurrent_suite, "SCALING_MLX_NN_STEPS", 6)
+    rows = recurrent_suite.print_scaling((4, 6, 12), batches=(1,), repeats=1)
+    printed = capsys.readouterr().out
+    assert {row["implementation"] for row in rows if row["case"].startswith("LSTM forward, T=12")} >= {"seqlib"}
+    assert not any(row["implementation"] == "mlx.nn" and ", T=12 " in row["case"] for row in rows)
+    assert "mlx.nn only up to T=6" in printed
+    mlx_nn_line = next(line for line in printed.splitlines() if re.match(r"\s+mlx\.nn\s+\d", line))  # its times
+    assert mlx_nn_line.split()[3] == "-" and mlx_nn_line.rstrip().endswith("(T=4-6)")
+    ratio_line = next(line for line in printed.splitlines() if "seqlib / mlx.nn" in line)
+    assert ratio_line.split()[-1] == "-"
 
 
 def test_every_kernel_has_napkin_math_and_the_cases_agree_with_it():

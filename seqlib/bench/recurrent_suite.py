@@ -51,8 +51,10 @@ HAVE_TORCH = importlib.util.find_spec("torch") is not None
 SHAPES = [(100, 32, 256, 512), (35, 20, 650, 650), (200, 64, 128, 128), (50, 1, 64, 256)]
 QUICK_SHAPES = [(12, 4, 16, 32), (10, 1, 8, 16)]
 GATE_BLOCKS = {"RNN": 1, "LSTM": 4, "GRU": 3}
-# How cost grows with the sequence length: per-step time should stay flat from T=100 to T=3,200.
-SCALING_STEPS, QUICK_SCALING_STEPS = (100, 400, 1600, 3200), (20, 80)
+# How cost grows with the sequence length: per-step time should stay flat from T=100 to T=3,200.  mlx.nn is
+# timed up to SCALING_MLX_NN_STEPS only: its per-step cost grows with T (x3.9 from T=100 to 3,200, B=1,
+# forward), and its forward + backward at B=32 took most of the harness's half hour on 2 cores.
+SCALING_STEPS, QUICK_SCALING_STEPS, SCALING_MLX_NN_STEPS = (100, 400, 1600, 3200), (20, 80), 400
 SCALING_BATCHES, SCALING_WIDTH = (1, 32), 128
 # Streaming: one step at batch 1 with a carried state, evaluated every step, as a live stream runs.
 STREAM_WIDTHS, QUICK_STREAM_WIDTHS, STREAM_STEPS = (128, 512), (16,), 50
@@ -135,7 +137,8 @@ def _torch_implementation(layer, x_np, weights_np, backward: bool, threads: int 
     return forward_backward if backward else forward
 
 
-def recurrent_case(kind: str, shape: tuple[int, int, int, int], backward: bool) -> Case:
+def recurrent_case(kind: str, shape: tuple[int, int, int, int], backward: bool, with_mlx_nn: bool = True) -> Case:
+    """One layer's forward (or forward + backward) as seqlib, mlx.nn (unless ``with_mlx_nn`` is False), torch run it."""
     steps, batch, input_size, hidden_size = shape
     rng = np.random.default_rng(0)
     x_np = rng.standard_normal((batch, steps, input_size)).astype(np.float32)  # batch-first, as mlx.nn
@@ -144,10 +147,9 @@ def recurrent_case(kind: str, shape: tuple[int, int, int, int], backward: bool) 
     theirs_mlx = to_mlx(ours)
     x, weights = mx.array(x_np), mx.array(weights_np)
     mx.eval(ours.parameters(), theirs_mlx.parameters(), x, weights)
-    implementations = {
-        "seqlib": _mlx_implementations(ours, x, weights, backward),
-        "mlx.nn": _mlx_implementations(theirs_mlx, x, weights, backward),
-    }
+    implementations = {"seqlib": _mlx_implementations(ours, x, weights, backward)}
+    if with_mlx_nn:
+        implementations["mlx.nn"] = _mlx_implementations(theirs_mlx, x, weights, backward)
     if HAVE_TORCH:
         import torch
 
@@ -241,12 +243,14 @@ def print_scaling(steps_list=SCALING_STEPS, batches=SCALING_BATCHES, repeats: in
     """Time every kind, direction and batch at each T; print microseconds per step and how they grow."""
     print(f"\nscaling with T: microseconds per time step (D = H = {SCALING_WIDTH}; median of {repeats})")
     print("  growth = per-step time at the longest T / at the shortest; flat cost in T gives about 1")
+    print(f"  mlx.nn only up to T={SCALING_MLX_NN_STEPS} (its cost per step grows with T; '-' where not timed)")
     all_rows = []
     for kind in ("LSTM", "GRU", "RNN"):
         for backward in (False, True):
             for batch in batches:
-                cases = [recurrent_case(kind, (steps, batch, SCALING_WIDTH, SCALING_WIDTH), backward)
-                         for steps in steps_list]  # fmt: skip
+                shapes = [(steps, batch, SCALING_WIDTH, SCALING_WIDTH) for steps in steps_list]
+                cases = [recurrent_case(kind, shape, backward, with_mlx_nn=shape[0] <= SCALING_MLX_NN_STEPS)
+                         for shape in shapes]  # fmt: skip
                 rows = run_cases(cases, repeats=repeats, warmup=1, show=False)
                 all_rows += rows
                 _print_scaling_rows(kind, backward, batch, steps_list, rows)
@@ -255,19 +259,28 @@ def print_scaling(steps_list=SCALING_STEPS, batches=SCALING_BATCHES, repeats: in
 
 def _print_scaling_rows(kind: str, backward: bool, batch: int, steps_list, rows: list[dict]) -> None:
     what = "fwd+bwd" if backward else "forward"
-    per_step = {}  # implementation -> [us per step at each T]
-    for row in rows:
-        per_step.setdefault(row["implementation"], []).append(1e3 * row["median_ms"])
+    per_step = {}  # implementation -> {T: us per step}, for the T it was timed at
+    for row, steps in zip(rows, _steps_of_rows(rows, steps_list), strict=True):
+        per_step.setdefault(row["implementation"], {})[steps] = 1e3 * row["median_ms"] / steps
+
+    def cells(values: dict, digits: int) -> str:  # one column per T, '-' where not timed
+        return "".join(f"{values[t]:>10.{digits}f}" if t in values else f"{'-':>10}" for t in steps_list)
+
     print(f"\n  {kind} {what}, B={batch}    " + "".join(f"{'T=' + str(t):>10}" for t in steps_list) + "    growth")
     for name, times in per_step.items():
-        times = [time / steps for time, steps in zip(times, steps_list, strict=True)]
-        cells = "".join(f"{time:>10.1f}" for time in times)
-        print(f"    {name:<22}{cells}    x{times[-1] / times[0]:.2f}")
+        timed = [t for t in steps_list if t in times]
+        span = "" if len(timed) == len(steps_list) else f" (T={timed[0]}-{timed[-1]})"
+        print(f"    {name:<22}{cells(times, 1)}    x{times[timed[-1]] / times[timed[0]]:.2f}{span}")
     ours = per_step["seqlib"]
     for name in ("mlx.nn", "torch", "torch (1 thread)"):
         if name in per_step:
-            ratios = "".join(f"{a / b:>10.2f}" for a, b in zip(ours, per_step[name], strict=True))
-            print(f"    {'seqlib / ' + name:<22}{ratios}")
+            print(f"    {'seqlib / ' + name:<22}" + cells({t: ours[t] / v for t, v in per_step[name].items()}, 2))
+
+
+def _steps_of_rows(rows: list[dict], steps_list) -> list[int]:
+    """The T of each row: run_cases' rows come case by case, in steps_list's order."""
+    cases = list(dict.fromkeys(row["case"] for row in rows))
+    return [steps_list[cases.index(row["case"])] for row in rows]
 
 
 # ----------------------------------------------------------------- streaming, one step at a time
