@@ -2,7 +2,8 @@
 
 Every module of seqlib has up to four implementations of its forward and backward, with
 the same numbers within float32 rounding.  Each path says whether it serves a call on
-arrays of a dtype, here and now; the first that does runs it:
+arrays of a dtype on the backend chosen now (:func:`seqlib.kernels.backend`, read once per call); the
+first that does runs it:
 
 - ``plain``: MLX's built-in primitives only, with gradients by MLX's autodiff: no seqlib C++
   primitive, kernel, custom function or compiled function inside, so that ``mx.export_function``
@@ -21,30 +22,32 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from seqlib import native
-from seqlib.kernels.runtime import KERNEL_DTYPES, backend, uses_kernels
+from seqlib.kernels.runtime import KERNEL_DTYPES, KERNEL_BACKENDS, backend
 
 __all__ = ["PATHS", "Path", "path_for"]
 
 
 @dataclass(frozen=True)
 class Path:
-    """One implementation: its ``name``, what it is, and whether it ``serves(dtype)`` a call now."""
+    """One implementation: its ``name``, what it is, and whether it ``serves(dtype, backend)`` a call now
+    (``backend``: what :func:`seqlib.kernels.backend` returns)."""
 
     name: str
     description: str
-    serves: Callable[[object], bool]
+    serves: Callable[[object, str], bool]
 
 
 #: The paths in the order they are asked: the first that serves a call runs it.
 PATHS = (
-    Path("plain", "MLX's built-in primitives only (exportable)", lambda dtype: backend() == "plain"),
+    Path("plain", "MLX's built-in primitives only (exportable)", lambda dtype, backend: backend == "plain"),
     Path("kernels", "seqlib's Metal kernels, on the GPU or emulated",
-         lambda dtype: uses_kernels() and dtype in KERNEL_DTYPES),
+         lambda dtype, backend: backend in KERNEL_BACKENDS and dtype in KERNEL_DTYPES),
     Path("native", "seqlib's C++ CPU primitives", native.serves),
-    Path("ops", "MLX ops with seqlib's hand-written backward", lambda dtype: True),
+    Path("ops", "MLX ops with seqlib's hand-written backward", lambda dtype, backend: True),
 )
 
 
 def path_for(dtype) -> str:
     """The name of the first path in :data:`PATHS` that serves a call on arrays of ``dtype``."""
-    return next(path.name for path in PATHS if path.serves(dtype))
+    now = backend()  # read once per call: a streamed step at batch 1 takes tens of microseconds in all
+    return next(path.name for path in PATHS if path.serves(dtype, now))

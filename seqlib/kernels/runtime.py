@@ -37,6 +37,7 @@ __all__ = [
     "BACKENDS",
     "BACKEND_ENV",
     "HEADER_NAME",
+    "KERNEL_BACKENDS",
     "KERNEL_DIR_ENV",
     "KERNEL_DTYPES",
     "KernelSpec",
@@ -134,9 +135,13 @@ def backend() -> str:
     return choice
 
 
+#: The backends on which seqlib's modules run the Metal kernels (on the GPU, or emulated on the CPU).
+KERNEL_BACKENDS = ("metal", "emulate")
+
+
 def uses_kernels() -> bool:
     """Whether seqlib's modules run the Metal kernels now (on the GPU or emulated)."""
-    return backend() in ("metal", "emulate")
+    return backend() in KERNEL_BACKENDS
 
 
 @contextlib.contextmanager

@@ -170,13 +170,16 @@ def reason() -> str:
     return _state["reason"]
 
 
-def serves(dtype) -> bool:
+def serves(dtype, backend: str | None = None) -> bool:
     """Whether the primitives run an operation on arrays of ``dtype`` here: float32, on MLX's CPU
     device, on the ``"ops"`` backend (no Metal kernels, not ``"plain"``: see :mod:`seqlib.kernels`), and
-    :func:`available`.  :mod:`seqlib.dispatch` asks it for its ``"native"`` path.
+    :func:`available`.  :mod:`seqlib.dispatch` asks it for its ``"native"`` path, passing the ``backend`` it
+    read (else it is read here).
     """
     import mlx.core as mx
 
-    from seqlib.kernels.runtime import backend
+    if backend is None:
+        from seqlib.kernels.runtime import backend as current_backend
 
-    return dtype == mx.float32 and mx.default_device() == mx.cpu and backend() == "ops" and available()
+        backend = current_backend()
+    return dtype == mx.float32 and backend == "ops" and mx.default_device() == mx.cpu and available()

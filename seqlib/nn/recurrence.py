@@ -24,6 +24,7 @@ class Recurrence:
     """
 
     gate_blocks = 1
+    _quantized_from = None  # the QuantizedRecurrent a float copy runs for (set on the copy); found without a miss
 
     def _check_dtype(self, name: str, array: mx.array, weight_name: str) -> None:
         """Raise a TypeError unless ``array`` has the dtype of the weights (torch does not promote either)."""
@@ -47,7 +48,7 @@ class Recurrence:
         """
         if getattr(self, "proj_size", 0) or path_for(rows.dtype) != "native":
             return None
-        quantized = getattr(self, "_quantized_from", None)  # the QuantizedRecurrent this float layer runs for
+        quantized = self._quantized_from  # the QuantizedRecurrent this float layer runs for, or None
         quantized_weights = quantized.native_step_weights(suffixes) if quantized is not None else None
         if quantized_weights is not None:  # read the packed integers, never the dequantized matrices
             if is_traced(rows, *states, *(weight for weight in quantized_weights if weight is not None)):
