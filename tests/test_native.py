@@ -395,6 +395,28 @@ BIG_STEPS = """
 """
 
 
+WIDE_STEPS = """
+    import mlx.core as mx, numpy as np, sys
+    import seqlib
+    mx.random.seed(0)  # the layers' weights
+    rng = np.random.default_rng(0)
+    results = []
+    for kind, input_size, hidden_size in (("LSTM", 640, 640), ("GRU", 320, 576), ("RNN", 700, 600)):
+        layer = getattr(seqlib.nn, kind)(input_size, hidden_size, num_layers=2)
+        state = None
+        for _ in range(3):  # batch 1: every layer's products shared among a team of threads
+            output, state = layer.step(mx.array(rng.standard_normal((1, input_size)).astype(np.float32)), state)
+            results += [output, *(state if isinstance(state, tuple) else (state,))]
+    np.savez(sys.argv[1], *[np.array(r) for r in results])
+"""
+
+
+@linux_only
+def test_a_step_at_batch_1_shared_among_threads_gives_the_bits_of_one_thread(tmp_path):
+    """At batch 1 a step's matrix-vector products share the weights' rows among a team: each output entry is summed
+    by one thread in one order, so every thread count gives the same outputs and states."""
+    assert_every_thread_count_gives_the_same_bits(WIDE_STEPS, tmp_path)
+
 CONCURRENT_LOOPS = """
     import threading, numpy as np, mlx.core as mx
     from seqlib import native

@@ -169,6 +169,30 @@ def test_steps_run_at_once_equal_the_graph_path(monkeypatch, kind, options, batc
         np.testing.assert_allclose(mine, want, rtol=1e-5, atol=1e-6, err_msg=f"result {position}")
 
 
+# A cell at batch 1 whose weights take a team of threads (about 1 MB or more: the rows of its products are shared)
+# or whose widths leave partial vectors and rows (37, 45; the GRU's 3 H = 135 rows, not a multiple of 4).
+WIDE_CELLS = [("LSTMCell", 640, 640, {}), ("GRUCell", 320, 576, {}), ("RNNCell", 700, 600, {"nonlinearity": "relu"}),
+              ("LSTMCell", 37, 45, {}), ("GRUCell", 37, 45, {"bias": False}), ("RNNCell", 45, 37, {})]  # fmt: skip
+
+
+@pytest.mark.parametrize(("kind", "input_size", "hidden_size", "options"), WIDE_CELLS)
+def test_a_streamed_cell_at_batch_1_gives_torchs_cell(kind, input_size, hidden_size, options):
+    """At batch 1 a step's products are matrix-vector products over the weights' rows (shared by a team of threads
+    where the weights are large): torch's cell, step after step, within float32 rounding."""
+    torch.manual_seed(1)
+    theirs = getattr(torch.nn, kind)(input_size, hidden_size, **options)
+    ours = seqlib.from_torch(theirs)
+    rng = np.random.default_rng(6)
+    xs = rng.standard_normal((3, 1, input_size)).astype(np.float32)
+    state, want_state = None, None
+    for x in xs:
+        state = ours(mx.array(x), state)
+        with torch.no_grad():
+            want_state = theirs(torch.from_numpy(x), want_state)
+        for mine, want in zip(_leaves(state), _leaves(want_state), strict=True):
+            assert_close(mine, want.numpy(), rtol=1e-5, atol=2e-6)
+
+
 @pytest.mark.parametrize("kind", KINDS)
 def test_a_step_outside_mx_grad_calls_the_primitive_once_for_the_whole_stack(monkeypatch, kind):
     if not _runs_at_once():

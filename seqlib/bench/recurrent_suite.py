@@ -9,7 +9,8 @@ Three tables:
    D = H = 128, RNN/LSTM/GRU, forward and forward + backward: a cost linear in T
    keeps the per-step time flat.
 3. Streaming: one step at batch 1 with a carried state, evaluated every step (a
-   cell's call, a layer's ``step``), against torch single-threaded; then an LSTMCell
+   cell's call, a layer's ``step``), against torch single-threaded and on its default
+   threads (seqlib's step shares large weights among threads); then an LSTMCell
    with 8-bit weights (``to_quantized``) against the float cell and torch's dynamically
    quantized int8 LSTMCell.
 4. Training a whole model: chapter 13's character model (Embedding(97, 32), a 2-layer
@@ -322,10 +323,11 @@ def _streamed(step, xs, state):
     return np.array(state[0] if isinstance(state, tuple) else state)
 
 
-def _torch_streamed(step, xs, state):
+def _torch_streamed(step, xs, state, threads: int | None = 1):
+    """torch's stream, on one thread (the steadier reference at batch 1) or on ``threads`` (None: its default)."""
     import torch
 
-    with _torch_threads(1), torch.no_grad():
+    with _torch_threads(threads), torch.no_grad():
         for x in xs:
             state = step(x, state)
     return (state[0] if isinstance(state, tuple) else state).numpy()
@@ -369,6 +371,8 @@ def streaming_case(kind: str, hidden_size: int) -> Case:
         torch_initial = (zeros_torch, zeros_torch) if cell_kind == "LSTMCell" else zeros_torch
         implementations["torch (1 thread)"] = lambda: _torch_streamed(lambda x, s: theirs(x, s), xs_torch,
                                                                       torch_initial)  # fmt: skip
+        # on its default threads too: seqlib's step shares large weights among threads (see seqlib.native)
+        implementations["torch"] = lambda: _torch_streamed(lambda x, s: theirs(x, s), xs_torch, torch_initial, None)
     gates = GATE_BLOCKS[cell_kind[:-4]] * hidden_size
     flops = 2 * STREAM_STEPS * gates * 2 * hidden_size
     what = "cell call" if is_cell else "layer.step"
@@ -395,7 +399,8 @@ def print_streaming(widths=STREAM_WIDTHS, repeats: int = 7, machine=None) -> lis
                                   machine=machine)
             rows += case_rows
             print(_streaming_line(f"  {case_rows[0]['case']:<62}", case_rows,
-                                  [("seqlib/torch", "seqlib", "torch (1 thread)")]))  # fmt: skip
+                                  [("seqlib/torch 1-thread", "seqlib", "torch (1 thread)"),
+                                   ("seqlib/torch", "seqlib", "torch")]))  # fmt: skip
     return rows
 
 
