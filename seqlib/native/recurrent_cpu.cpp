@@ -1288,7 +1288,7 @@ std::vector<mx::array> rnn_sequence_backward(const mx::array& w_hh, const mx::ar
 //     graph path's loop adds the bias to the finished product (the same bits wherever OpenBLAS takes
 //     the depth in one block), then the same loop as a one-step sequence;
 //   batch 1: the products are matrix-vector products, bound by reading the weights, and run on a team
-//     of threads that share the weights' rows (step_products below); the bias, then x W_ih^T, then
+//     of threads that share the weights' rows (add_vector_products below); the bias, then x W_ih^T, then
 //     h W_hh^T are added into one pre-activation per gate, then the gate math: the sums of a GEMV in
 //     another order (within float32 rounding of the graph path's).
 
@@ -1352,9 +1352,8 @@ std::vector<mx::array> step_now(seqlib_cpu::CpuLoop<Loop>::Runner runner, std::v
 constexpr size_t kStepBytesPerThread = size_t{1} << 19;
 
 // body(first, end) on each thread of a team for its share of `width` rows (in fours, the rows that
-// quantized_rows and dot_rows take at once; the last thread takes the rest), a thread per
-// kStepBytesPerThread of `bytes` (the weights the products read) and no more than a quarter of the rows
-// in sixteens.
+// quantized_rows and dot_rows take at once; the last thread takes the rest): a thread per
+// kStepBytesPerThread of `bytes` (the weights the products read), at most one per 64 rows.
 template <class Body>
 void share_step_rows(size_t bytes, int width, Body body) {
   const int wanted = static_cast<int>(std::min<size_t>(bytes / kStepBytesPerThread, width / 64));
