@@ -92,7 +92,9 @@ void check_layout(const mx::array& indices, const mx::array* bounds, int64_t row
 
 using seqlib_cpu::parallel_for;
 
-constexpr int kAhead = 16;  // how many entries ahead rows are prefetched (about one bag)
+// How many entries ahead rows are prefetched: about one bag (mean bag of 1-40 entries, 1M x 128 table, 2-core
+// Sapphire Rapids, interleaved with torch: 16 entries 6.87-7.01 ms, 32 6.41-6.42, 64 6.14-6.46; torch 6.28-6.75).
+constexpr int kAhead = 32;
 
 // Every cache line of a row: MLX's CPU buffers need not start on a line, so a 512-byte row can
 // span nine lines, and the one left out would be a full memory miss per row.
