@@ -8,7 +8,9 @@ one) all end here.  The structure is the one fast implementations share
    the caller: ``x_gates = x @ W_ih.T`` with x all ``N`` rows of the sequence, its
    bias ``b`` passed beside it (``input_bias``): the C++ loops add it as they read
    each row, which saves a pass over the (N, G H) array (the other paths add it
-   first).
+   first).  :func:`lstm_input_sequence` takes an LSTM's input and ``W_ih``
+   instead: where seqlib's C++ loop runs and the input is narrow, the loop
+   computes each step's input side itself, and ``x_gates`` is never written.
 2. Each step then needs only the recurrent matmul ``h @ W_hh.T`` and the
    **fused pointwise gate math** of :mod:`seqlib.pointwise` (one compiled
    function, or one fused kernel).
@@ -70,7 +72,7 @@ from seqlib.pointwise import (
     rnn_step,
 )
 
-__all__ = ["gru_sequence", "lstm_sequence", "rnn_sequence", "time_major"]
+__all__ = ["gru_sequence", "lstm_input_sequence", "lstm_sequence", "rnn_sequence", "time_major"]
 
 
 # ----------------------------------------------------------------- the sequence loop
@@ -264,6 +266,33 @@ def lstm_sequence(x_gates, w_hh, h0, c0, batch_sizes, reverse=False, w_hr=None, 
     function = _lstm_sequence_function(batch_sizes, reverse, w_hr is not None, path == "kernels")
     output, h_n, c_n = function(x_gates, w_hh, h0, c0, *projection)[:3]
     return output, h_n, c_n
+
+
+def lstm_input_sequence(x, w_ih, w_hh, h0, c0, batch_sizes, reverse=False, *, input_bias=None):
+    """An LSTM over packed rows of its input: ``lstm_sequence(x @ w_ih.T, w_hh, h0, c0, batch_sizes, reverse,
+    input_bias=input_bias)``, the same numbers to float32 rounding; returns ``output (N, H), h_n (B, H), c_n (B, H)``.
+
+    x: (N, D) the input rows; w_ih: (4H, D); the rest as :func:`lstm_sequence`'s (no projection).  Where
+    seqlib's C++ loop runs (:mod:`seqlib.native`, on packed weights) and the input is narrow against a
+    step's rows (D <= 8 B), the loop computes each step's input side ``x_t @ w_ih.T`` itself, on the
+    tiles of the recurrent product, instead of reading the (N, 4H) ``x_gates`` that one matmul wrote
+    before it; elsewhere this is that matmul and :func:`lstm_sequence`.
+    """
+    check_float_array(x, "x", (None, None))
+    if path_for(x.dtype) != "native":
+        check_float_array(w_ih, "w_ih", (None, x.shape[1]), x.dtype)
+        return lstm_sequence(x @ w_ih.T, w_hh, h0, c0, batch_sizes, reverse, input_bias=input_bias)
+    batch, hidden_size = check_state("c0", c0)
+    dtype = c0.dtype
+    check_float_array(h0, "h0", (batch, hidden_size), dtype)
+    check_float_array(x, "x", (None, None), dtype)
+    check_float_array(w_ih, "w_ih", (4 * hidden_size, x.shape[1]), dtype)
+    check_float_array(w_hh, "w_hh", (4 * hidden_size, hidden_size), dtype)
+    _check_input_bias(input_bias, 4 * hidden_size, dtype)
+    batch_sizes = check_batch_sizes(batch_sizes, x.shape[0], batch, rows_name="x")
+    traced = is_traced(x, w_ih, w_hh, h0, c0, input_bias)  # the primitive saves what its own vjp needs
+    return tuple(native.extension().lstm_input_sequence(x, w_ih, w_hh, h0, c0, list(batch_sizes), bool(reverse),
+                                                        traced, input_bias)[:3])
 
 
 @functools.lru_cache(maxsize=512)

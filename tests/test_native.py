@@ -221,6 +221,97 @@ def test_a_bias_of_the_wrong_shape_is_refused():
         native.extension().lstm_sequence(*arguments, [3, 3], False, False, bias=random((2,), 5))
 
 
+# (lengths of the sequences, D, H) for scan.lstm_input_sequence: the loop computes the input side where it runs
+# packed (4 steps or more, AVX2) and D <= 8 B (B the longest step's rows); else a matmul computes x_gates.
+INPUT_CASES = [
+    ([12] * 9 + [11] * 5 + [1], 64, 48),  # 15 sequences: D = 64 <= 120, blocks whole
+    ([12] * 9 + [11] * 5 + [1], 7, 37),  # a partial block of units, D below a vector
+    ([6] * 40, 130, 70),  # D past a depth chunk of the tiles (128)
+    ([7] * 2 + [3], 24, 300),  # small batch, wide: a team of threads shares the blocks
+    ([5] * 4, 200, 16),  # D > 8 B: a matmul, then the loop on x_gates
+    ([3] * 16, 32, 32),  # too few steps to pack: a matmul, then OpenBLAS's loop
+]
+
+
+def cpu_has_avx2() -> bool:
+    try:
+        with open("/proc/cpuinfo") as file:
+            return " avx2 " in file.read().replace("\n", " ") + " "
+    except OSError:
+        return False
+
+
+@linux_only
+@pytest.mark.parametrize("case", INPUT_CASES, ids=lambda case: f"T{max(case[0])}-D{case[1]}-H{case[2]}")
+@pytest.mark.parametrize("reverse", [False, True])
+@pytest.mark.parametrize("with_bias", [True, False])
+def test_an_lstm_given_its_input_equals_one_given_its_input_product(case, reverse, with_bias):
+    """scan.lstm_input_sequence(x, w_ih, ...) is scan.lstm_sequence(x @ w_ih.T, ...): outputs, and the gradients
+    of every argument (x's and w_ih's from the loop's d_x_gates).  Where the loop computes the input side it
+    adds x_t's product and h's as x_gates and h's product are added, so the two agree to float32 rounding (on
+    this machine to the bit, where OpenBLAS sums x @ w_ih.T in the order of k)."""
+    lengths, input_size, hidden_size = case
+    batch_sizes = packed_batch_sizes(lengths)
+    rows, batch, seed = sum(batch_sizes), batch_sizes[0], input_size + hidden_size
+    arguments = [random((rows, input_size), seed, 1.0), random((4 * hidden_size, input_size), seed + 1, 0.3),
+                 random((4 * hidden_size, hidden_size), seed + 2, recurrent_scale(hidden_size)),
+                 random((batch, hidden_size), seed + 3), random((batch, hidden_size), seed + 4)]  # fmt: skip
+    bias = random((4 * hidden_size,), seed + 5) if with_bias else None
+    cotangents = [random((rows, hidden_size), seed + 6), random((batch, hidden_size), seed + 7),
+                  random((batch, hidden_size), seed + 8)]  # fmt: skip
+
+    def given_input(x, w_ih, w_hh, h0, c0, *bias):
+        return scan.lstm_input_sequence(x, w_ih, w_hh, h0, c0, batch_sizes, reverse, input_bias=(bias or [None])[0])
+
+    def given_product(x, w_ih, w_hh, h0, c0, *bias):
+        return scan.lstm_sequence(x @ w_ih.T, w_hh, h0, c0, batch_sizes, reverse, input_bias=(bias or [None])[0])
+
+    primals = arguments + ([bias] if with_bias else [])
+    outputs, grads = mx.vjp(given_input, primals, cotangents)
+    want_outputs, want_grads = mx.vjp(given_product, primals, cotangents)
+    names = ["output", "h_n", "c_n", *["d_x", "d_w_ih", "d_w_hh", "d_h0", "d_c0", "d_bias"][: len(primals)]]
+    for name, mine, theirs in zip(names, [*outputs, *grads], [*want_outputs, *want_grads], strict=True):
+        assert_close_at_scale(mine, theirs, TOLERANCE, name)
+    inference = given_input(*primals)  # outside the vjp: saves nothing
+    for mine, theirs in zip(inference, want_outputs, strict=True):
+        assert_close_at_scale(mine, theirs, TOLERANCE)
+
+
+@linux_only
+@pytest.mark.skipif(not cpu_has_avx2(), reason="the packed loops need AVX2 and FMA")
+@pytest.mark.parametrize(("input_size", "computed_in_the_loop"), [(64, True), (65, False)])
+def test_the_lstm_loop_computes_its_input_side_only_where_the_input_is_narrow(input_size, computed_in_the_loop,
+                                                                               tmp_path):  # fmt: skip
+    """At 8 rows a step the loop takes x @ w_ih.T itself up to D = 64 (no matmul in the graph); past it, a matmul."""
+    batch, hidden_size, steps = 8, 32, 6
+    x = random((steps * batch, input_size), 1)
+    w_ih, w_hh = random((4 * hidden_size, input_size), 2, 0.2), random((4 * hidden_size, hidden_size), 3, 0.2)
+    h0 = c0 = mx.zeros((batch, hidden_size))
+    output = scan.lstm_input_sequence(x, w_ih, w_hh, h0, c0, [batch] * steps)[0]
+    mx.export_to_dot(str(tmp_path / "graph.dot"), output)
+    graph = (tmp_path / "graph.dot").read_text()
+    assert "LSTMSequence" in graph
+    assert ("Matmul" not in graph) == computed_in_the_loop
+
+
+@linux_only
+def test_an_lstm_given_its_input_refuses_arguments_that_do_not_fit():
+    x, w_hh, state = random((12, 5), 1), random((8, 2), 2), random((3, 2), 3)
+    with pytest.raises(ValueError, match=r"w_ih: expected shape \(8, 5\), got \(8, 4\)"):
+        scan.lstm_input_sequence(x, random((8, 4), 4), w_hh, state, state, [3] * 4)
+    with pytest.raises(ValueError, match=r"x: expected shape \(\*, \*\)"):
+        scan.lstm_input_sequence(x.reshape(4, 3, 5), random((8, 5), 4), w_hh, state, state, [3] * 4)
+    with pytest.raises(TypeError, match=r"w_ih: expected dtype mlx.core.float32 .*, got mlx.core.float16"):
+        scan.lstm_input_sequence(x, random((8, 5), 4).astype(mx.float16), w_hh, state, state, [3] * 4)
+    with pytest.raises(ValueError, match=r"batch_sizes"):
+        scan.lstm_input_sequence(x, random((8, 5), 4), w_hh, state, state, [3] * 3)
+    extension = native.extension()  # the binding checks as well
+    with pytest.raises(ValueError, match=r"lstm_input_sequence: expected x of shape \(N, D\), got \(4, 3, 5\)"):
+        extension.lstm_input_sequence(x.reshape(4, 3, 5), random((8, 5), 4), w_hh, state, state, [3] * 4, False, False)
+    with pytest.raises(ValueError, match=r"lstm_input_sequence: expected w_ih float32 of shape \(8, 5\)"):
+        extension.lstm_input_sequence(x, random((8, 4), 4), w_hh, state, state, [3] * 4, False, False)
+
+
 @linux_only
 def test_non_contiguous_arguments_are_read_as_their_values():
     x_gates = random((8, 12), 1).T.T  # a view
@@ -394,6 +485,25 @@ BIG_STEPS = """
     np.savez(sys.argv[1], *[np.array(r) for r in results])
 """
 
+INPUT_STEPS = """
+    import mlx.core as mx, numpy as np, sys
+    from seqlib import scan
+    rng = np.random.default_rng(0)
+    results = []
+    for steps, batch, hidden, input_size in {shapes}:  # D <= 8 B: the loops compute the input side
+        batch_sizes = [batch] * (steps - 2) + [max(batch - 7, 1), max(batch // 2, 1)]
+        rows = sum(batch_sizes)
+        x, w_ih, w_hh, bias, h0, c0 = (mx.array(rng.standard_normal(shape).astype(np.float32) * scale) for shape, scale
+                                       in (((rows, input_size), 1.0), ((4 * hidden, input_size), input_size ** -0.5),
+                                           ((4 * hidden, hidden), hidden ** -0.5), ((4 * hidden,), 0.1),
+                                           ((batch, hidden), 1.0), ((batch, hidden), 1.0)))
+        for reverse in (False, True):
+            run = lambda x, w_ih, w_hh: scan.lstm_input_sequence(x, w_ih, w_hh, h0, c0, batch_sizes, reverse,
+                                                                  input_bias=bias)
+            outputs, grads = mx.vjp(run, [x, w_ih, w_hh], [mx.ones_like(o) for o in run(x, w_ih, w_hh)])
+            results += [*outputs, *grads, *run(x, w_ih, w_hh)]
+    np.savez(sys.argv[1], *[np.array(r) for r in results])
+"""
 
 WIDE_STEPS = """
     import mlx.core as mx, numpy as np, sys
@@ -455,7 +565,8 @@ def test_packed_loops_shared_among_threads_give_the_bits_of_one_thread(tmp_path)
     """The packed forward loops share a step's blocks of units among threads, and where those are too few for the
     threads, its rows too; each output's products add in the same order whichever thread computes it, so every
     thread count (1 to 4; more where the machine has them) gives the same outputs, saved arrays and gradients.
-    At small batches the GRU runs packed only with a team (runs_packed), on one thread OpenBLAS's loop."""
+    At small batches the GRU runs packed only with a team (runs_packed), on one thread OpenBLAS's loop.  So do the
+    LSTM's loops that compute their input side (D <= 8 B: at batch 1, D = 8)."""
     counts = ("1", "2", "3", "4", "16")
     assert_every_thread_count_gives_the_same_bits(BIG_STEPS.format(shapes=LARGE_STEPS, gate_counts=(4, 3)), tmp_path,
                                                   counts=counts)  # fmt: skip
@@ -463,6 +574,8 @@ def test_packed_loops_shared_among_threads_give_the_bits_of_one_thread(tmp_path)
                                                   counts=counts)  # fmt: skip
     assert_every_thread_count_gives_the_same_bits(BIG_STEPS.format(shapes=SMALL_BATCHES, gate_counts=(3,)), tmp_path,
                                                   counts=counts[1:])  # fmt: skip
+    input_shapes = tuple((*shape, min(8 * shape[1], 96)) for shape in LARGE_STEPS + SMALL_BATCHES)
+    assert_every_thread_count_gives_the_same_bits(INPUT_STEPS.format(shapes=input_shapes), tmp_path, counts=counts)
 
 
 @linux_only

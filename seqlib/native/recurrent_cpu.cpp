@@ -14,7 +14,8 @@
 // seqlib.scan calls it, and wires the backward into autodiff.
 //
 //   LSTMSequence, GRUSequence, RNNSequence   forward: output, final state(s), and (save) what
-//                                            the backward needs
+//                                            the backward needs; the LSTM's from x_gates, or from its
+//                                            input x and w_ih (lstm_input_sequence: see computes_input_side)
 //   ...SequenceBackward                      backward through the steps in reverse: the gradients
 //                                            of x_gates, of the initial state(s), and for the GRU
 //                                            of its hidden side (for dW_hh and db_hh)
@@ -124,7 +125,9 @@ std::vector<Step> steps_of(const std::vector<int>& batch_sizes, bool reverse) {
   return steps;
 }
 
-constexpr int kSave = 1, kRelu = 2;  // bits of a loop's option
+// Bits of a loop's option.  kInputSide: the LSTM forward's ins[0] is its input x (N, D) and ins[4] w_ih (4H, D),
+// not x_gates: the loop computes each step's input side itself (see computes_input_side).
+constexpr int kSave = 1, kRelu = 2, kInputSide = 4;
 
 // What a primitive's loop needs besides its arrays: the steps in computing order, its option bits.
 struct Loop {
@@ -441,20 +444,21 @@ class AlignedFloats {
   float* data_;
 };
 
-// Blocks [first, end) of w_hh (G H, H), G = 4 (LSTM) or 3 (GRU), packed into (blocks, H, kTile):
-// packed[b][k][g kUnits + u] = w_hh[g H + kUnits b + u][k] for the G gates; zero past H and in the GRU's
+// Blocks [first, end) of w (G H, K), G = 4 (LSTM) or 3 (GRU), packed into (blocks, K, kTile):
+// packed[b][k][g kUnits + u] = w[g H + kUnits b + u][k] for the G gates; zero past H and in the GRU's
 // unused fourth slot.  Row k of a block is written whole, from one float of each of its kTile source rows.
+// w is w_hh (K = H) or, where an LSTM's loop computes its input side, w_ih (K = D).
 // Each thread of a packed loop packs the blocks it multiplies by (they then sit in its own caches).
-void pack_gate_blocks(const float* w_hh, int hidden, int gate_count, int first, int end, float* packed) {
+void pack_gate_blocks(const float* w, int hidden, int depth, int gate_count, int first, int end, float* packed) {
   for (int b = first; b < end; ++b) {
     const int units = std::min(kUnits, hidden - b * kUnits);
-    float* block = packed + static_cast<size_t>(b) * hidden * kTile;
-    for (int k = 0; k < hidden; ++k) {
+    float* block = packed + static_cast<size_t>(b) * depth * kTile;
+    for (int k = 0; k < depth; ++k) {
       float* row = block + static_cast<size_t>(k) * kTile;
       for (int g = 0; g < 4; ++g) {
-        const float* source = w_hh + (static_cast<size_t>(g) * hidden + static_cast<size_t>(b) * kUnits) * hidden + k;
+        const float* source = w + (static_cast<size_t>(g) * hidden + static_cast<size_t>(b) * kUnits) * depth + k;
         for (int u = 0; u < kUnits; ++u) {
-          row[g * kUnits + u] = g < gate_count && u < units ? source[static_cast<size_t>(u) * hidden] : 0.0f;
+          row[g * kUnits + u] = g < gate_count && u < units ? source[static_cast<size_t>(u) * depth] : 0.0f;
         }
       }
     }
@@ -584,14 +588,17 @@ inline void rows_product(int rows, const float* a, int lda, int depth, const flo
 }
 
 // The LSTM's gate math for `units` (<= kUnits) units of one row: acc holds their four gates' products
-// (i, f, g, o: kUnits each), x their input sides (i at x[0], f at x[H], ...) and bias (the same layout, or
-// nullptr) what is added to them; c advances in place, h and out get the new h, and where asked act (i at
-// 0, f at H, ...) and tanh_row what the backward reads.
-inline void lstm_gate_math(int units, int hidden, const float* x, const float* bias, const float* acc, float* c,
-                           float* h, float* out, float* act, float* tanh_row) {
+// (i, f, g, o: kUnits each), x their input sides (i at x[0], f at x[x_stride], ...: a row of x_gates, stride
+// H, or of a tile's input products, stride kUnits) and bias (i at bias[0], f at bias[H], ...; or nullptr)
+// what is added to them; c advances in place, h and out get the new h, and where asked act (i at 0, f at H,
+// ...) and tanh_row what the backward reads.
+inline void lstm_gate_math(int units, int hidden, const float* x, int x_stride, const float* bias, const float* acc,
+                           float* c, float* h, float* out, float* act, float* tanh_row) {
   using simd::store;
+  const Lanes lanes{units};
   const auto at = [&](int gate) {
-    return biased_at(Lanes{units}, x, bias, gate * hidden) + simd::load(acc + gate * kUnits);
+    const Vec input = lanes(x + gate * x_stride);
+    return (bias != nullptr ? input + lanes(bias + gate * hidden) : input) + simd::load(acc + gate * kUnits);
   };
   Vec i = at(0), f = at(1), g = at(2), o = at(3), c_new = simd::load(c, units);
   const Vec tanh_c = lstm_unit(i, f, g, o, c_new), h_new = o * tanh_c;
@@ -655,8 +662,12 @@ void final_states(const Loop& loop, const mx::array& output, float* h_n) {
 // and each step's rows among the threads of a group (row_parts): at each step each thread calls
 // before(step, first unit, end unit, first row, end row) (what must be saved of the state, its units and
 // rows only), then for each of its blocks and every tile of up to kRowsPerTile of its rows the tile's
-// product h[rows] @ block and gate_math(step, row, unit, units, tile row, h, h_next) on it, which
-// writes the row's new h for those units into h_next; then the team meets, and h and h_next swap.
+// product h[rows] @ block and gate_math(step, row, unit, units, tile row, input row, h, h_next) on it, which
+// writes the row's new h for those units into h_next; then the team meets, and h and h_next swap.  Where
+// the loop computes an LSTM's input side (input.x: see computes_input_side), the tiles first take
+// x[rows] @ the block's w_ih (packed as w_hh is) into input_products, whose row is gate_math's input row
+// (nullptr otherwise: gate_math reads x_gates): two products apart, added as x_gates and h's product are,
+// so that both forms round alike.
 // Every tile reads all of h's units, so the new h goes to the other buffer and one meeting per step
 // suffices.  Rows past a step's rows are not carried over: final_states gathers h_n from the output.
 // Each output adds the same products in the same order whichever thread computes it: the same bits for
@@ -687,21 +698,31 @@ inline void prefetch_row(const float* x, int hidden, int gates) {
   }
 }
 
+// Where an LSTM's loop computes its input side itself (kInputSide): its input x (N, depth) and w_ih (4H, depth).
+struct InputSide {
+  const float* x = nullptr;  // nullptr: the loop reads x_gates
+  const float* w_ih = nullptr;
+  int depth = 0;
+};
+
 template <class Before, class GateMath>
-void packed_steps(const Loop& loop, int batch, int hidden, const float* w_hh, const mx::array& x_gates, float* h,
-                  float* h_next, Before before, GateMath gate_math) {
-  const int blocks = (hidden + kUnits - 1) / kUnits, gates = x_gates.shape(1) / hidden;
+void packed_steps(const Loop& loop, int batch, int hidden, int gates, const float* w_hh, const mx::array& x_gates,
+                  float* h, float* h_next, Before before, GateMath gate_math, InputSide input = {}) {
+  const int blocks = (hidden + kUnits - 1) / kUnits, depth = input.depth;
   const int groups = team_size(batch, hidden, blocks), parts = row_parts(batch, hidden, groups);
   AlignedFloats packed(static_cast<size_t>(blocks) * hidden * kTile);
+  AlignedFloats packed_ih(input.x != nullptr ? static_cast<size_t>(blocks) * depth * kTile : 0);
   run_team(groups * parts, [&](int thread, int, StepBarrier& barrier) {
     const int part = thread % parts;
     const auto [first_block, end_block] = share_of(0, blocks, thread / parts, groups);
     const int first_unit = first_block * kUnits, end_unit = std::min(hidden, end_block * kUnits);
     const auto rows_of = [&](const Step& step) { return share_of(0, step.rows, part, parts); };  // this thread's
     const auto [pack_from, pack_end] = share_of(first_block, end_block, part, parts);  // the group packs its blocks
-    pack_gate_blocks(w_hh, hidden, gates, pack_from, pack_end, packed.data());
+    pack_gate_blocks(w_hh, hidden, hidden, gates, pack_from, pack_end, packed.data());
+    if (input.x != nullptr) pack_gate_blocks(input.w_ih, hidden, depth, gates, pack_from, pack_end, packed_ih.data());
     if (parts > 1) barrier.wait();  // each thread reads blocks that others of its group packed
     AlignedFloats products(static_cast<size_t>(batch) * kTile);  // a block's products for every row of a step
+    AlignedFloats input_products(input.x != nullptr ? static_cast<size_t>(batch) * kTile : 0);  // and x's
     float *current = h, *next = h_next;
     for (size_t s = 0; s < loop.steps.size(); ++s) {
       const Step& step = loop.steps[s];
@@ -709,19 +730,25 @@ void packed_steps(const Loop& loop, int batch, int hidden, const float* w_hh, co
       const std::pair<int, int> rows = rows_of(step);  // not a structured binding: the epilogue captures them
       const int first_row = rows.first, end_row = rows.second;
       // the next step's rows of this thread (more, reversed), whose input sides are asked for a step ahead
-      const auto ahead = coming != nullptr ? rows_of(*coming) : std::pair{0, 0};
+      const auto ahead = coming != nullptr && input.x == nullptr ? rows_of(*coming) : std::pair{0, 0};
       const int ahead_first = ahead.first, ahead_end = ahead.second;
       before(step, first_unit, end_unit, first_row, end_row, current);
-      for (int i = 0; i < end_block - first_block; ++i) {
-        const int b = s % 2 == 0 ? first_block + i : end_block - 1 - i;
+      for (int n = 0; n < end_block - first_block; ++n) {
+        const int b = s % 2 == 0 ? first_block + n : end_block - 1 - n;
         const float* block = packed.data() + static_cast<size_t>(b) * hidden * kTile;
         const int unit = b * kUnits, units = std::min(kUnits, hidden - unit);
         const auto ask = [&](int r) { prefetch_row(row_of(x_gates, coming->first + r) + unit, hidden, gates); };
+        if (input.x != nullptr) {  // the input side: x[rows] @ the block's w_ih, for gate_math beside h's product
+          rows_product(end_row - first_row, input.x + (static_cast<size_t>(step.first) + first_row) * depth, depth,
+                       depth, packed_ih.data() + static_cast<size_t>(b) * depth * kTile, input_products.data(),
+                       [](int, int) {});
+        }
         rows_product(end_row - first_row, current + static_cast<size_t>(first_row) * hidden, hidden, hidden, block,
                      products.data(), [&](int first, int count) {
                        for (int i = first; i < first + count; ++i) {
-                         gate_math(step, first_row + i, unit, units, products.data() + static_cast<size_t>(i) * kTile,
-                                   current, next);
+                         const size_t at = static_cast<size_t>(i) * kTile;
+                         gate_math(step, first_row + i, unit, units, products.data() + at,
+                                   input.x != nullptr ? input_products.data() + at : nullptr, current, next);
                          if (ahead_first + i < ahead_end) ask(ahead_first + i);
                        }
                      });
@@ -741,11 +768,13 @@ inline void copy_columns(float* dst, const float* src, int rows, int width, int 
   }
 }
 
-// lstm_forward's loop on packed weights (same ins, outs and saved arrays).
+// lstm_forward's loop on packed weights (same ins, outs and saved arrays; with kInputSide, x and w_ih).
 void lstm_forward_packed(std::vector<mx::array>& ins, std::vector<mx::array>& outs, const Loop& loop) {
-  const bool save = loop.option & kSave;
+  const bool save = loop.option & kSave, input_side = loop.option & kInputSide;
   const int batch = ins[2].shape(0), hidden = ins[2].shape(1);
-  const float* bias = bias_input(ins, 4);
+  const float* bias = bias_input(ins, input_side ? 5 : 4);
+  const InputSide input = input_side ? InputSide{ins[0].data<float>(), ins[4].data<float>(), ins[0].shape(1)}
+                                     : InputSide{};
   // Both buffers start as h0: in the reverse direction a sequence joins at a later step, reading h0 from either.
   std::vector<float> h(ins[2].data<float>(), ins[2].data<float>() + static_cast<size_t>(batch) * hidden), h_next(h);
   float* c = outs[2].data<float>();  // c advances in place in c_n: at each step each (row, unit) by one thread
@@ -757,15 +786,18 @@ void lstm_forward_packed(std::vector<mx::array>& ins, std::vector<mx::array>& ou
     copy_columns(row_of(outs[6], step.first + first_row), current + at, end_row - first_row, hidden, first, end);
     copy_columns(row_of(outs[5], step.first + first_row), c + at, end_row - first_row, hidden, first, end);
   };
-  auto gate_math = [&](const Step& step, int r, int unit, int units, const float* acc, const float*, float* next) {
-    const float* x = row_of(ins[0], step.first + r) + unit;  // x_gates: i at 0, f at H, ...
-    lstm_gate_math(units, hidden, x, bias != nullptr ? bias + unit : nullptr, acc,
+  auto gate_math = [&](const Step& step, int r, int unit, int units, const float* acc, const float* input_acc,
+                       const float*, float* next) {
+    // the input sides: the tile's (kInputSide; i at 0, f at kUnits, ...), or x_gates' (i at 0, f at H, ...)
+    const float* x = input_acc != nullptr ? input_acc : row_of(ins[0], step.first + r) + unit;
+    lstm_gate_math(units, hidden, x, input_acc != nullptr ? kUnits : hidden, bias != nullptr ? bias + unit : nullptr, acc,
                    c + static_cast<size_t>(r) * hidden + unit, next + static_cast<size_t>(r) * hidden + unit,
                    row_of(outs[0], step.first + r) + unit,
                    save ? row_of(outs[3], step.first + r) + unit : nullptr,
                    save ? row_of(outs[4], step.first + r) + unit : nullptr);
   };
-  packed_steps(loop, batch, hidden, ins[1].data<float>(), ins[0], h.data(), h_next.data(), before, gate_math);
+  packed_steps(loop, batch, hidden, 4, ins[1].data<float>(), ins[0], h.data(), h_next.data(), before, gate_math,
+               input);
   final_states(loop, outs[0], outs[1].data<float>());
 }
 
@@ -802,14 +834,14 @@ void gru_forward_packed(std::vector<mx::array>& ins, std::vector<mx::array>& out
     copy_columns(row_of(outs[4], step.first + first_row), current + static_cast<size_t>(first_row) * hidden,
                  end_row - first_row, hidden, first, end);
   };
-  auto gate_math = [&](const Step& step, int r, int unit, int units, const float* acc, const float* current,
-                       float* next) {
+  auto gate_math = [&](const Step& step, int r, int unit, int units, const float* acc, const float*,
+                       const float* current, float* next) {
     const size_t row = static_cast<size_t>(step.first) + r, at = static_cast<size_t>(r) * hidden + unit;
     gru_gate_math(units, hidden, row_of(ins[0], row) + unit, bias != nullptr ? bias + unit : nullptr, b_hh + unit,
                   acc, current + at, next + at, row_of(outs[0], row) + unit, save ? row_of(outs[2], row) + unit : nullptr,
                   save ? row_of(outs[3], row) + unit : nullptr);
   };
-  packed_steps(loop, batch, hidden, ins[1].data<float>(), ins[0], h.data(), h_next.data(), before, gate_math);
+  packed_steps(loop, batch, hidden, 3, ins[1].data<float>(), ins[0], h.data(), h_next.data(), before, gate_math);
   final_states(loop, outs[0], outs[1].data<float>());
 }
 
@@ -898,13 +930,35 @@ bool runs_packed(const Loop& loop, int batch, int hidden, int gate_count) {
 }
 #endif
 
+// Whether an LSTM's packed loop computes each step's input side x_t W_ih^T itself (kInputSide), w_ih packed
+// beside w_hh and its product taken on the same tiles before h's, instead of reading x_gates, which one
+// matmul (OpenBLAS) computed for all steps before the loop.  That saves the matmul's own passes (x_gates,
+// N 4H floats, written to memory and read back a step at a time) and OpenBLAS's lower rate at these shapes
+// (about 180 GFLOP/s at N = 12,800, D = 128, 4H = 512 on two Sapphire Rapids cores); it costs reading w_ih
+// at every step.  That pays where the input is narrow against a step's rows: D <= 8 B.  The matmul + loop
+// against the loop alone, interleaved (2-core Sapphire Rapids, AVX-512), (T, B, D, H) = (200, 64, 128, 128)
+// 0.75, (100, 128, 256, 256) 0.78, (200, 32, 128, 128) 0.78, (100, 32, 128, 512) 0.84, (100, 32, 256, 512)
+// 0.86, (100, 64, 512, 512) 0.89; past D = 8 B: (100, 16, 256, 512) 0.90, (35, 20, 256, 650) 0.95, but
+// (35, 40, 650, 650) 1.00, (35, 20, 512, 650) 1.02, (35, 20, 650, 650) 1.06, (100, 8, 512, 512) 1.15.
+constexpr int kInputDepthPerRow = 8;
+bool computes_input_side(const Loop& loop, int batch, int depth, int hidden) {
+#if defined(__AVX2__) && defined(__FMA__)
+  return runs_packed(loop, batch, hidden, 4) && depth >= 1 && depth <= kInputDepthPerRow * batch;
+#else
+  return false;
+#endif
+}
+
 // ----------------------------------------------------------------- LSTM
 
 // ins: x_gates (N, 4H), w_hh (4H, H), h0, c0 (B, H) [, bias (4H,) added to every row of x_gates]
+//   or with kInputSide: x (N, D), w_hh, h0, c0, w_ih (4H, D) [, bias]
 // outs: output (N, H), h_n, c_n (B, H) [, activations (N, 4H), tanh_c, c_prev, h_prev (N, H)]
 void lstm_forward(std::vector<mx::array>& ins, std::vector<mx::array>& outs, const Loop& loop) {
 #if defined(__AVX2__) && defined(__FMA__)
-  if (runs_packed(loop, ins[2].shape(0), ins[2].shape(1), 4)) return lstm_forward_packed(ins, outs, loop);
+  if ((loop.option & kInputSide) || runs_packed(loop, ins[2].shape(0), ins[2].shape(1), 4)) {
+    return lstm_forward_packed(ins, outs, loop);  // kInputSide: only where computes_input_side said so
+  }
 #endif
   const auto& steps = loop.steps;
   const int option = loop.option;
@@ -1129,23 +1183,31 @@ std::vector<mx::array> pick(const std::vector<int>& argnums, const std::vector<m
 }
 
 // The gradient of a forward's bias input where it has one (primals[at]): every row's d_x_gates summed.
-void add_bias_gradient(std::vector<mx::array>& by_input, const std::vector<mx::array>& primals, size_t at) {
-  if (primals.size() > at) by_input.push_back(mx::sum(by_input[0], 0, false, seqlib_cpu::cpu_stream()));
+void add_bias_gradient(std::vector<mx::array>& by_input, const mx::array& d_x_gates,
+                       const std::vector<mx::array>& primals, size_t at) {
+  if (primals.size() > at) by_input.push_back(mx::sum(d_x_gates, 0, false, seqlib_cpu::cpu_stream()));
 }
 
-// primals: x_gates, w_hh, h0, c0 [, bias]; outputs: output, h_n, c_n, activations, tanh_c, c_prev, h_prev
+// primals: x_gates, w_hh, h0, c0 [, bias], or with kInputSide x, w_hh, h0, c0, w_ih [, bias];
+// outputs: output, h_n, c_n, activations, tanh_c, c_prev, h_prev
 std::vector<mx::array> lstm_vjp(const Loop& loop, const std::vector<mx::array>& primals,
                                 const std::vector<mx::array>& cotangents, const std::vector<int>& argnums,
                                 const std::vector<mx::array>& outputs) {
   require_saved(loop, "lstm_sequence");
   const auto s = seqlib_cpu::cpu_stream();
+  const bool input_side = loop.option & kInputSide;
   const int n = primals[0].shape(0), b = primals[2].shape(0), h = primals[2].shape(1);
   auto d = run_loop("LSTMSequenceBackward", lstm_backward, {{n, 4 * h}, {b, h}, {b, h}},
                     {&primals[1], &outputs[3], &outputs[4], &outputs[5], &cotangents[0], &cotangents[1],
                      &cotangents[2]},
                     Loop{loop.steps, 0});
-  std::vector<mx::array> by_input = {d[0], mx::matmul(mx::transpose(d[0], s), outputs[6], s), d[1], d[2]};
-  add_bias_gradient(by_input, primals, 4);
+  const mx::array& d_x_gates = d[0];
+  std::vector<mx::array> by_input = {d_x_gates, mx::matmul(mx::transpose(d_x_gates, s), outputs[6], s), d[1], d[2]};
+  if (input_side) {  // x_gates = x w_ih^T: d_x = d_x_gates w_ih, d_w_ih = d_x_gates^T x
+    by_input[0] = mx::matmul(d_x_gates, primals[4], s);
+    by_input.push_back(mx::matmul(mx::transpose(d_x_gates, s), primals[0], s));
+  }
+  add_bias_gradient(by_input, d_x_gates, primals, input_side ? 5 : 4);
   return pick(argnums, by_input);
 }
 
@@ -1161,7 +1223,7 @@ std::vector<mx::array> gru_vjp(const Loop& loop, const std::vector<mx::array>& p
                     Loop{loop.steps, 0});
   std::vector<mx::array> by_input = {d[0], mx::matmul(mx::transpose(d[1], s), outputs[4], s),
                                      mx::sum(d[1], 0, false, s), d[2]};
-  add_bias_gradient(by_input, primals, 4);
+  add_bias_gradient(by_input, d[0], primals, 4);
   return pick(argnums, by_input);
 }
 
@@ -1175,7 +1237,7 @@ std::vector<mx::array> rnn_vjp(const Loop& loop, const std::vector<mx::array>& p
   auto d = run_loop("RNNSequenceBackward", rnn_backward, {{n, h}, {b, h}},
                     {&primals[1], &outputs[0], &cotangents[0], &cotangents[1]}, Loop{loop.steps, loop.option & kRelu});
   std::vector<mx::array> by_input = {d[0], mx::matmul(mx::transpose(d[0], s), outputs[2], s), d[1]};
-  add_bias_gradient(by_input, primals, 3);
+  add_bias_gradient(by_input, d[0], primals, 3);
   return pick(argnums, by_input);
 }
 
@@ -1203,6 +1265,33 @@ std::vector<mx::array> lstm_sequence(const mx::array& x_gates, const mx::array& 
   if (save) shapes.insert(shapes.end(), {{n, 4 * h}, {n, h}, {n, h}, {n, h}});
   return sequence("LSTMSequence", lstm_forward, shapes, with_bias(op, {&x_gates, &w_hh, &h0, &c0}, bias, 4 * h),
                   batch_sizes, reverse, save ? kSave : 0, lstm_vjp);
+}
+
+// lstm_sequence of x_gates = x w_ih^T, from the input x (N, D) and w_ih (4H, D): the loop computes each step's
+// input side itself where computes_input_side says so, else x_gates is one matmul before it.
+std::vector<mx::array> lstm_input_sequence(const mx::array& x, const mx::array& w_ih, const mx::array& w_hh,
+                                           const mx::array& h0, const mx::array& c0, std::vector<int> batch_sizes,
+                                           bool reverse, bool save, const std::optional<mx::array>& bias) {
+  const char* op = "lstm_input_sequence";
+  const auto [b_, h_] = state_shape(op, "c0", c0);
+  check_array(op, "h0", h0, {b_, h_});
+  check_array(op, "w_hh", w_hh, {4 * h_, h_});
+  if (x.ndim() != 2) {
+    throw std::invalid_argument(std::string(op) + ": expected x of shape (N, D), got " + shape_text(x.shape()));
+  }
+  const int n_ = x.shape(0), d_ = x.shape(1);
+  check_array(op, "x", x, {n_, d_});
+  check_array(op, "w_ih", w_ih, {4 * h_, d_});
+  check_steps(op, batch_sizes, b_, n_);
+  Loop loop{steps_of(batch_sizes, reverse), (save ? kSave : 0) | kInputSide};
+  if (!computes_input_side(loop, b_, d_, h_)) {
+    const auto s = seqlib_cpu::cpu_stream();
+    return lstm_sequence(mx::matmul(x, mx::transpose(w_ih, s), s), w_hh, h0, c0, batch_sizes, reverse, save, bias);
+  }
+  std::vector<mx::Shape> shapes = {{n_, h_}, {b_, h_}, {b_, h_}};
+  if (save) shapes.insert(shapes.end(), {{n_, 4 * h_}, {n_, h_}, {n_, h_}, {n_, h_}});
+  return run_loop("LSTMSequence", lstm_forward, shapes, with_bias(op, {&x, &w_hh, &h0, &c0, &w_ih}, bias, 4 * h_),
+                  std::move(loop), lstm_vjp);
 }
 
 std::vector<mx::array> lstm_sequence_backward(const mx::array& w_hh, const mx::array& activations,
@@ -1920,6 +2009,8 @@ mx::array swap_leading_axes(const mx::array& x) {
 void seqlib_cpu::register_recurrent(nb::module_& m) {
   m.def("lstm_sequence", &lstm_sequence, "x_gates"_a, "w_hh"_a, "h0"_a, "c0"_a, "batch_sizes"_a, "reverse"_a,
         "save"_a, "bias"_a = nb::none());
+  m.def("lstm_input_sequence", &lstm_input_sequence, "x"_a, "w_ih"_a, "w_hh"_a, "h0"_a, "c0"_a, "batch_sizes"_a,
+        "reverse"_a, "save"_a, "bias"_a = nb::none());
   m.def("lstm_sequence_backward", &lstm_sequence_backward, "w_hh"_a, "activations"_a, "tanh_c"_a, "c_prev"_a,
         "d_output"_a, "d_h_n"_a, "d_c_n"_a, "batch_sizes"_a, "reverse"_a);
   m.def("gru_sequence", &gru_sequence, "x_gates"_a, "w_hh"_a, "b_hh"_a, "h0"_a, "batch_sizes"_a, "reverse"_a,

@@ -76,13 +76,13 @@ class Recurrence:
         """``rows @ W_ih.T`` for every row at once, and the bias to add to each of its rows: ``b_ih``
         (+ ``b_hh`` where it can be folded in), or None.  The sequence functions of :mod:`seqlib.scan`
         take the two apart (``input_bias``)."""
-        product = rows @ getattr(self, "weight_ih" + suffix).T
+        return rows @ getattr(self, "weight_ih" + suffix).T, self._input_bias(suffix, fold_hidden_bias)
+
+    def _input_bias(self, suffix: str, fold_hidden_bias: bool) -> mx.array | None:
         if not self.bias:
-            return product, None
+            return None
         bias = getattr(self, "bias_ih" + suffix)
-        if fold_hidden_bias:
-            bias = bias + getattr(self, "bias_hh" + suffix)
-        return product, bias
+        return bias + getattr(self, "bias_hh" + suffix) if fold_hidden_bias else bias
 
 
 class RNNRecurrence(Recurrence):
@@ -116,11 +116,14 @@ class LSTMRecurrence(Recurrence):
         stepped = self._step_now(rows, states, [suffix]) if len(batch_sizes) == 1 else None
         if stepped is not None:
             return stepped
-        x_gates, input_bias = self._input_side(rows, suffix, fold_hidden_bias=True)
         weight_hh = getattr(self, "weight_hh" + suffix)
-        weight_hr = getattr(self, "weight_hr" + suffix) if self.proj_size else None
-        return scan.lstm_sequence(x_gates, weight_hh, states[0], states[1], batch_sizes, reverse, weight_hr,
-                                  input_bias=input_bias)
+        if not self.proj_size:  # the C++ loop may compute the input side itself
+            return scan.lstm_input_sequence(rows, getattr(self, "weight_ih" + suffix), weight_hh, states[0],
+                                            states[1], batch_sizes, reverse,
+                                            input_bias=self._input_bias(suffix, fold_hidden_bias=True))
+        x_gates, input_bias = self._input_side(rows, suffix, fold_hidden_bias=True)
+        return scan.lstm_sequence(x_gates, weight_hh, states[0], states[1], batch_sizes, reverse,
+                                  getattr(self, "weight_hr" + suffix), input_bias=input_bias)
 
 
 class GRURecurrence(Recurrence):
