@@ -273,15 +273,11 @@ def lstm_input_sequence(x, w_ih, w_hh, h0, c0, batch_sizes, reverse=False, *, in
     input_bias=input_bias)``, the same numbers to float32 rounding; returns ``output (N, H), h_n (B, H), c_n (B, H)``.
 
     x: (N, D) the input rows; w_ih: (4H, D); the rest as :func:`lstm_sequence`'s (no projection).  Where
-    seqlib's C++ loop runs (:mod:`seqlib.native`, on packed weights) and the input is narrow against a
-    step's rows (D <= 8 B), the loop computes each step's input side ``x_t @ w_ih.T`` itself, on the
+    seqlib's C++ loop runs (:mod:`seqlib.native`, on packed weights) and the input is narrow against the
+    batch (D <= 8 B, B = batch_sizes[0]), the loop computes each step's input side ``x_t @ w_ih.T`` itself, on the
     tiles of the recurrent product, instead of reading the (N, 4H) ``x_gates`` that one matmul wrote
     before it; elsewhere this is that matmul and :func:`lstm_sequence`.
     """
-    check_float_array(x, "x", (None, None))
-    if path_for(x.dtype) != "native":
-        check_float_array(w_ih, "w_ih", (None, x.shape[1]), x.dtype)
-        return lstm_sequence(x @ w_ih.T, w_hh, h0, c0, batch_sizes, reverse, input_bias=input_bias)
     batch, hidden_size = check_state("c0", c0)
     dtype = c0.dtype
     check_float_array(h0, "h0", (batch, hidden_size), dtype)
@@ -290,6 +286,8 @@ def lstm_input_sequence(x, w_ih, w_hh, h0, c0, batch_sizes, reverse=False, *, in
     check_float_array(w_hh, "w_hh", (4 * hidden_size, hidden_size), dtype)
     _check_input_bias(input_bias, 4 * hidden_size, dtype)
     batch_sizes = check_batch_sizes(batch_sizes, x.shape[0], batch, rows_name="x")
+    if path_for(dtype) != "native":
+        return lstm_sequence(x @ w_ih.T, w_hh, h0, c0, batch_sizes, reverse, input_bias=input_bias)
     traced = is_traced(x, w_ih, w_hh, h0, c0, input_bias)  # the primitive saves what its own vjp needs
     return tuple(native.extension().lstm_input_sequence(x, w_ih, w_hh, h0, c0, list(batch_sizes), bool(reverse),
                                                         traced, input_bias)[:3])

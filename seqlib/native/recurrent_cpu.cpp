@@ -667,7 +667,8 @@ void final_states(const Loop& loop, const mx::array& output, float* h_n) {
 // the loop computes an LSTM's input side (input.x: see computes_input_side), the tiles first take
 // x[rows] @ the block's w_ih (packed as w_hh is) into input_products, whose row is gate_math's input row
 // (nullptr otherwise: gate_math reads x_gates): two products apart, added as x_gates and h's product are,
-// so that both forms round alike.
+// so that both forms round alike where the matmul sums x @ w_ih^T in the order of k, as the tiles do
+// (OpenBLAS within its block of K).
 // Every tile reads all of h's units, so the new h goes to the other buffer and one meeting per step
 // suffices.  Rows past a step's rows are not carried over: final_states gathers h_n from the output.
 // Each output adds the same products in the same order whichever thread computes it: the same bits for
@@ -935,11 +936,12 @@ bool runs_packed(const Loop& loop, int batch, int hidden, int gate_count) {
 // matmul (OpenBLAS) computed for all steps before the loop.  That saves the matmul's own passes (x_gates,
 // N 4H floats, written to memory and read back a step at a time) and OpenBLAS's lower rate at these shapes
 // (about 180 GFLOP/s at N = 12,800, D = 128, 4H = 512 on two Sapphire Rapids cores); it costs reading w_ih
-// at every step.  That pays where the input is narrow against a step's rows: D <= 8 B.  The matmul + loop
-// against the loop alone, interleaved (2-core Sapphire Rapids, AVX-512), (T, B, D, H) = (200, 64, 128, 128)
-// 0.75, (100, 128, 256, 256) 0.78, (200, 32, 128, 128) 0.78, (100, 32, 128, 512) 0.84, (100, 32, 256, 512)
-// 0.86, (100, 64, 512, 512) 0.89; past D = 8 B: (100, 16, 256, 512) 0.90, (35, 20, 256, 650) 0.95, but
-// (35, 40, 650, 650) 1.00, (35, 20, 512, 650) 1.02, (35, 20, 650, 650) 1.06, (100, 8, 512, 512) 1.15.
+// at every step.  That pays where the input is narrow against the batch (B, the first step's rows): D <= 8 B.
+// The loop alone against the matmul + loop, interleaved (2-core Sapphire Rapids, AVX-512), (T, B, D, H) =
+// (200, 64, 128, 128) 0.70, (100, 128, 256, 256) 0.74, (100, 16, 128, 512) 0.86, (100, 64, 512, 512) 0.87,
+// (100, 32, 256, 512) 0.87-0.89.  Past D = 8 B a first version gained less or lost: (100, 16, 256, 512) 0.90,
+// (35, 20, 256, 650) 0.95, (35, 40, 650, 650) 1.00, (35, 20, 512, 650) 1.02, (35, 20, 650, 650) 1.06,
+// (100, 8, 512, 512) 1.15.
 constexpr int kInputDepthPerRow = 8;
 bool computes_input_side(const Loop& loop, int batch, int depth, int hidden) {
 #if defined(__AVX2__) && defined(__FMA__)
@@ -1193,9 +1195,9 @@ void add_bias_gradient(std::vector<mx::array>& by_input, const mx::array& d_x_ga
 std::vector<mx::array> lstm_vjp(const Loop& loop, const std::vector<mx::array>& primals,
                                 const std::vector<mx::array>& cotangents, const std::vector<int>& argnums,
                                 const std::vector<mx::array>& outputs) {
-  require_saved(loop, "lstm_sequence");
-  const auto s = seqlib_cpu::cpu_stream();
   const bool input_side = loop.option & kInputSide;
+  require_saved(loop, input_side ? "lstm_input_sequence" : "lstm_sequence");
+  const auto s = seqlib_cpu::cpu_stream();
   const int n = primals[0].shape(0), b = primals[2].shape(0), h = primals[2].shape(1);
   auto d = run_loop("LSTMSequenceBackward", lstm_backward, {{n, 4 * h}, {b, h}, {b, h}},
                     {&primals[1], &outputs[3], &outputs[4], &outputs[5], &cotangents[0], &cotangents[1],
