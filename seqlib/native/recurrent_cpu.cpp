@@ -33,8 +33,6 @@
 // Napkin math per step: 2 B 4H H FLOPs in the matmul, about 40 B H in the gate math; bytes:
 // w_hh (16 H^2) read once per step, the gates (16 B H) written and read once.
 
-#include <sched.h>
-
 #include <algorithm>
 #include <atomic>
 #include <cmath>
@@ -369,8 +367,14 @@ inline void spin_pause() {
 }
 
 // A barrier for a team of threads that meet once per time step: the last to arrive opens the next
-// generation; the others spin briefly (a step is tens of microseconds), then yield the core, so a
-// team never starves a thread it shares a core with.
+// generation; the others spin briefly (a step is tens of microseconds), then sleep on the generation (a
+// futex, woken by the last to arrive), so a team never starves a thread it shares a core with.  That
+// happens: on a 2-core virtual machine, a team of two woken after the process was idle (as the benchmark
+// harness times each call) ran on one core for a whole call about half the time, a step's partners taking
+// turns; the LSTM at (T, B, H) = (50, 1, 256) then took 10-12 ms where it takes 1.2, and 4.3-4.8 ms with
+// the sleep after 4,096 spins (about 45 us) where it yielded after 16,384.  Steps of large shapes, whose
+// partners arrive within the spins, are as fast either way (the loop alone at (100, 32, 512), (35, 20, 650),
+// (200, 64, 128): 1.006, 1.009, 0.999).
 class StepBarrier {
  public:
   explicit StepBarrier(int count) : count_(count) {}
@@ -380,18 +384,20 @@ class StepBarrier {
     if (arrived_.fetch_add(1, std::memory_order_acq_rel) + 1 == count_) {
       arrived_.store(0, std::memory_order_relaxed);
       generation_.fetch_add(1, std::memory_order_release);
+      generation_.notify_all();  // a system call only where a thread sleeps on it
       return;
     }
     for (int spins = 0; generation_.load(std::memory_order_acquire) == generation; ++spins) {
-      if (spins < (1 << 14)) {
+      if (spins < kSpins) {
         spin_pause();
       } else {
-        sched_yield();
+        generation_.wait(generation, std::memory_order_acquire);
       }
     }
   }
 
  private:
+  static constexpr int kSpins = 1 << 12;
   const int count_;
   std::atomic<int> arrived_{0};
   std::atomic<int> generation_{0};
