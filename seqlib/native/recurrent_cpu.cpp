@@ -357,15 +357,6 @@ void gru_gate_backward(const std::vector<mx::array>& ins, std::vector<mx::array>
   }
 }
 
-// A spinning thread's hint to the core (x86 pause, Arm yield): let the other hyperthread run, save power.
-inline void spin_pause() {
-#if defined(__x86_64__) || defined(__i386__)
-  __builtin_ia32_pause();
-#elif defined(__aarch64__)
-  asm volatile("yield");
-#endif
-}
-
 // A barrier for a team of threads that meet once per time step: the last to arrive opens the next
 // generation; the others spin briefly (a step is tens of microseconds), then sleep on the generation (a
 // futex, woken by the last to arrive), so a team never starves a thread it shares a core with.  That
@@ -389,7 +380,7 @@ class StepBarrier {
     }
     for (int spins = 0; generation_.load(std::memory_order_acquire) == generation; ++spins) {
       if (spins < kSpins) {
-        spin_pause();
+        seqlib_cpu::spin_pause();
       } else {
         generation_.wait(generation, std::memory_order_acquire);
       }
