@@ -35,6 +35,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <chrono>
 #include <cmath>
 #include <cstring>
 #include <memory>
@@ -358,19 +359,30 @@ void gru_gate_backward(const std::vector<mx::array>& ins, std::vector<mx::array>
 }
 
 // A barrier for a team of threads that meet once per time step: the last to arrive opens the next
-// generation; the others spin briefly (a step is tens of microseconds), then sleep on the generation (a
-// futex, woken by the last to arrive), so a team never starves a thread it shares a core with.  That
-// happens: on a 2-core virtual machine, a team of two woken after the process was idle (as the benchmark
-// harness times each call) ran on one core for a whole call about half the time, a step's partners taking
-// turns; the LSTM at (T, B, H) = (50, 1, 256) then took 10-12 ms where it takes 1.2, and 4.3-4.8 ms with
-// the sleep after 4,096 spins (about 45 us) where it yielded after 16,384.  Steps of large shapes, whose
-// partners arrive within the spins, are as fast either way (the loop alone at (100, 32, 512), (35, 20, 650),
-// (200, 64, 128): 1.006, 1.009, 0.999).
+// generation; the others spin for at most kSpinTime, then sleep on the generation (a futex, woken by the last
+// to arrive).  While it spins, a thread yields its CPU where another thread of the team last met on that CPU
+// (a partner queued behind it there cannot run while it spins; where the partner has moved on, the yield
+// returns at once).
+//
+// Both were measured.  Yielding: on a 2-core virtual machine, a team of two woken after the process was idle
+// (as the benchmark harness times each call) often ran on one core, a step's partners taking turns; the LSTM
+// at (T, B, D, H) = (50, 1, 64, 256) then took 10-12 ms where it takes 1.2 (spinning without a bound).  A
+// process's median of 21 calls, each after an idle pause, three processes each: 2.0-5.2 ms sleeping after
+// 4,096 spins (about 45 us), no yield; 2.0-3.0 yielding (slowest calls 6.1 and 3.5 ms).
+// Spinning long: on a 16-core Sapphire Rapids virtual machine, a thread woken from the futex arrives late
+// at the next meeting by its wake-up (a halted virtual CPU is woken by the host), so that with the 45 us spin
+// its partners slept again at the next step, and at the next.  One LSTM layer's forward at (35, 20, 650,
+// 650) took 23 ms, the loop 7.1 of it, 359 of its 525 waits asleep; with the 500 us bound, 6.5 ms
+// (torch: 6.4), the loop 3.6.  (A team's threads start staggered there: the workers' wake-ups from their
+// semaphores are system calls made one after another, and the input product before the loop left them asleep.)
 class StepBarrier {
  public:
-  explicit StepBarrier(int count) : count_(count) {}
-  void wait() {
+  explicit StepBarrier(int count) : count_(count), cpus_(std::make_unique<Cpu[]>(count)) {}
+
+  // Called by each thread of the team, thread = 0 .. count - 1, once per meeting.
+  void wait(int thread) {
     if (count_ == 1) return;
+    cpus_[thread].id.store(sched_getcpu(), std::memory_order_relaxed);
     const int generation = generation_.load(std::memory_order_acquire);
     if (arrived_.fetch_add(1, std::memory_order_acq_rel) + 1 == count_) {
       arrived_.store(0, std::memory_order_relaxed);
@@ -378,18 +390,38 @@ class StepBarrier {
       generation_.notify_all();  // a system call only where a thread sleeps on it
       return;
     }
-    for (int spins = 0; generation_.load(std::memory_order_acquire) == generation; ++spins) {
-      if (spins < kSpins) {
-        seqlib_cpu::spin_pause();
-      } else {
-        generation_.wait(generation, std::memory_order_acquire);
+    const auto start = std::chrono::steady_clock::now();
+    for (int spins = 1; generation_.load(std::memory_order_acquire) == generation; ++spins) {
+      seqlib_cpu::spin_pause();
+      if (spins % kCheckEvery != 0) continue;
+      if (std::chrono::steady_clock::now() - start > kSpinTime) {
+        while (generation_.load(std::memory_order_acquire) == generation) {
+          generation_.wait(generation, std::memory_order_acquire);
+        }
+        return;
       }
+      if (shares_cpu(thread)) sched_yield();  // a partner may be waiting for this CPU: let it run
     }
   }
 
  private:
-  static constexpr int kSpins = 1 << 12;
+  static constexpr int kCheckEvery = 128;  // pauses between looks at the clock and the partners' CPUs (~1.5 us)
+  static constexpr std::chrono::microseconds kSpinTime{500};
+  struct alignas(64) Cpu {  // the CPU a thread last met on, on a cache line of its own
+    std::atomic<int> id{-1};
+  };
+
+  // Whether another thread of the team last met on the CPU this one runs on (a stale answer costs a yield).
+  bool shares_cpu(int thread) const {
+    const int cpu = sched_getcpu();
+    for (int other = 0; other < count_; ++other) {
+      if (other != thread && cpus_[other].id.load(std::memory_order_relaxed) == cpu) return true;
+    }
+    return false;
+  }
+
   const int count_;
+  std::unique_ptr<Cpu[]> cpus_;
   std::atomic<int> arrived_{0};
   std::atomic<int> generation_{0};
 };
@@ -718,7 +750,7 @@ void packed_steps(const Loop& loop, int batch, int hidden, int gates, const floa
     const auto [pack_from, pack_end] = share_of(first_block, end_block, part, parts);  // the group packs its blocks
     pack_gate_blocks(w_hh, hidden, hidden, gates, pack_from, pack_end, packed.data());
     if (input.x != nullptr) pack_gate_blocks(input.w_ih, hidden, depth, gates, pack_from, pack_end, packed_ih.data());
-    if (parts > 1) barrier.wait();  // each thread reads blocks that others of its group packed
+    if (parts > 1) barrier.wait(thread);  // each thread reads blocks that others of its group packed
     AlignedFloats products(static_cast<size_t>(batch) * kTile);  // a block's products for every row of a step
     AlignedFloats input_products(input.x != nullptr ? static_cast<size_t>(batch) * kTile : 0);  // and x's
     float *current = h, *next = h_next;
@@ -752,7 +784,7 @@ void packed_steps(const Loop& loop, int batch, int hidden, int gates, const floa
                      });
         for (int r = ahead_first + end_row - first_row; r < ahead_end; ++r) ask(r);
       }
-      barrier.wait();
+      barrier.wait(thread);
       std::swap(current, next);
     }
   });
@@ -865,11 +897,11 @@ void packed_backward_steps(const Loop& loop, int batch, int hidden, const float*
     const int first = first_block * kTile, end = std::min(hidden, end_block * kTile);
     const auto [pack_from, pack_end] = share_of(first_block, end_block, part, parts);
     pack_column_blocks(w_hh, depth, hidden, pack_from, pack_end, packed.data());
-    if (parts > 1) barrier.wait();  // each thread reads blocks that others of its group packed
+    if (parts > 1) barrier.wait(thread);  // each thread reads blocks that others of its group packed
     AlignedFloats products(static_cast<size_t>(batch) * kTile);  // a block's products for every row of a step
     for (auto step = loop.steps.rbegin(); step != loop.steps.rend(); ++step) {
       gate_backward(*step, first, end, first_row, end_row);
-      barrier.wait();
+      barrier.wait(thread);
       const int row = std::min(first_row, step->rows), rows = std::min(end_row, step->rows) - row;
       const bool odd = (step - loop.steps.rbegin()) % 2 == 1;  // blocks forward and backward, as in packed_steps
       for (int i = 0; i < end_block - first_block; ++i) {
