@@ -359,31 +359,41 @@ void gru_gate_backward(const std::vector<mx::array>& ins, std::vector<mx::array>
 }
 
 // A barrier for a team of threads that meet once per time step: the last to arrive opens the next
-// generation; the others spin for at most kSpinTime, then sleep on the generation (a futex, woken by the last
-// to arrive).  While it spins, a thread yields its CPU where another thread of the team last met on that CPU
-// (a partner queued behind it there cannot run while it spins; where the partner has moved on, the yield
-// returns at once).
+// generation; the others spin while the partners they wait for make progress, and sleep on the generation (a
+// futex, woken by the last to arrive) once they do not.  A waiting thread watches one partner that has not
+// arrived: it spins on while that partner counts beats (progress(), called by the loops between tiles), is
+// being woken from such a sleep, or has not met once yet (it may be starting: a worker woken from its
+// semaphore, packing its blocks); it sleeps after kStallTime without a sign of one of these (the partner is
+// queued behind another thread: spinning would keep a core from it), and after kSpinTime in any case.  It
+// also yields its CPU where another thread of the team last met on that CPU.
 //
-// Both were measured.  Yielding: on a 2-core virtual machine, a team of two woken after the process was idle
-// (as the benchmark harness times each call) often ran on one core, a step's partners taking turns; the LSTM
-// at (T, B, D, H) = (50, 1, 64, 256) then took 10-12 ms where it takes 1.2 (spinning without a bound).  A
-// process's median of 21 calls, each after an idle pause, three processes each: 2.0-5.2 ms sleeping after
-// 4,096 spins (about 45 us), no yield; 2.0-3.0 yielding (slowest calls 6.1 and 3.5 ms).
-// Spinning long: on a 16-core Sapphire Rapids virtual machine, a thread woken from the futex arrives late
-// at the next meeting by its wake-up (a halted virtual CPU is woken by the host), so that with the 45 us spin
-// its partners slept again at the next step, and at the next.  One LSTM layer's forward at (35, 20, 650,
-// 650) took 23 ms, the loop 7.1 of it, 359 of its 525 waits asleep; with the 500 us bound, 6.5 ms
-// (torch: 6.4), the loop 3.6.  (A team's threads start staggered there: the workers' wake-ups from their
-// semaphores are system calls made one after another, and the input product before the loop left them asleep.)
+// Both halves were measured.  Sleeping: on a 2-core virtual machine, a team of two woken after the process
+// was idle (as the benchmark harness times each call) often ran on one core, a step's partners taking turns,
+// and the LSTM at (T, B, D, H) = (50, 1, 64, 256) took 10-12 ms where it takes 1.2 while its threads spun
+// without a bound; and a 500 us spin that did not watch its partners made the unit tests (torch's threads
+// spinning between the oracle's calls) take 14.7 minutes instead of 3.4.  Spinning: on a 16-core Sapphire
+// Rapids virtual machine a thread woken from the futex arrives late at the next meeting by its wake-up (a
+// halted virtual CPU is woken by the host), so that with a 45 us spin its partners slept again at the next
+// step, and at the next: one LSTM layer's forward at (35, 20, 650, 650) took 23 ms, its loop 7.1, with 359
+// of the loop's 525 waits asleep; spinning about 0.7 ms, 6.0 ms, the loop 3.2, none asleep (torch: 6.4).
 class StepBarrier {
  public:
-  explicit StepBarrier(int count) : count_(count), cpus_(std::make_unique<Cpu[]>(count)) {}
+  explicit StepBarrier(int count) : count_(count), members_(std::make_unique<Member[]>(count)) {}
+
+  // A sign of progress from thread `thread` (cheap: one store to its own cache line).
+  void progress(int thread) {
+    Member& me = members_[thread];
+    me.beats.store(me.beats.load(std::memory_order_relaxed) + 1, std::memory_order_relaxed);
+  }
 
   // Called by each thread of the team, thread = 0 .. count - 1, once per meeting.
   void wait(int thread) {
     if (count_ == 1) return;
-    cpus_[thread].id.store(sched_getcpu(), std::memory_order_relaxed);
+    Member& me = members_[thread];
+    me.cpu.store(sched_getcpu(), std::memory_order_relaxed);
+    progress(thread);
     const int generation = generation_.load(std::memory_order_acquire);
+    me.arrived.store(generation, std::memory_order_relaxed);
     if (arrived_.fetch_add(1, std::memory_order_acq_rel) + 1 == count_) {
       arrived_.store(0, std::memory_order_relaxed);
       generation_.fetch_add(1, std::memory_order_release);
@@ -391,13 +401,28 @@ class StepBarrier {
       return;
     }
     const auto start = std::chrono::steady_clock::now();
+    auto last_sign = start;  // when the watched partner last showed progress
+    int watched = -1;
+    unsigned beats = 0;
     for (int spins = 1; generation_.load(std::memory_order_acquire) == generation; ++spins) {
       seqlib_cpu::spin_pause();
       if (spins % kCheckEvery != 0) continue;
-      if (std::chrono::steady_clock::now() - start > kSpinTime) {
+      const auto now = std::chrono::steady_clock::now();
+      const int late = late_partner(generation);
+      if (late >= 0) {
+        const Member& partner = members_[late];
+        const unsigned seen = partner.beats.load(std::memory_order_relaxed);
+        if (late != watched || seen != beats || seen == 0 || partner.waking.load(std::memory_order_relaxed)) {
+          last_sign = now;
+        }
+        watched = late, beats = seen;
+      }
+      if (now - last_sign > kStallTime || now - start > kSpinTime) {
+        me.waking.store(true, std::memory_order_relaxed);  // until it runs again, partners know it is waking
         while (generation_.load(std::memory_order_acquire) == generation) {
           generation_.wait(generation, std::memory_order_acquire);
         }
+        me.waking.store(false, std::memory_order_relaxed);
         return;
       }
       if (shares_cpu(thread)) sched_yield();  // a partner may be waiting for this CPU: let it run
@@ -405,23 +430,34 @@ class StepBarrier {
   }
 
  private:
-  static constexpr int kCheckEvery = 128;  // pauses between looks at the clock and the partners' CPUs (~1.5 us)
-  static constexpr std::chrono::microseconds kSpinTime{500};
-  struct alignas(64) Cpu {  // the CPU a thread last met on, on a cache line of its own
-    std::atomic<int> id{-1};
+  static constexpr int kCheckEvery = 128;  // pauses between looks at the clock and the partners (~1.5 us)
+  static constexpr std::chrono::microseconds kStallTime{100}, kSpinTime{500};
+  struct alignas(64) Member {  // what a thread shows its partners, on a cache line of its own
+    std::atomic<unsigned> beats{0};  // progress() calls and meetings
+    std::atomic<int> arrived{-1};    // the last generation it met at
+    std::atomic<int> cpu{-1};        // the CPU it last met on
+    std::atomic<bool> waking{false};  // asleep at a meeting, or woken and not yet running
   };
+
+  // A thread that has not arrived at this generation's meeting, or -1.
+  int late_partner(int generation) const {
+    for (int other = 0; other < count_; ++other) {
+      if (members_[other].arrived.load(std::memory_order_relaxed) != generation) return other;
+    }
+    return -1;
+  }
 
   // Whether another thread of the team last met on the CPU this one runs on (a stale answer costs a yield).
   bool shares_cpu(int thread) const {
     const int cpu = sched_getcpu();
     for (int other = 0; other < count_; ++other) {
-      if (other != thread && cpus_[other].id.load(std::memory_order_relaxed) == cpu) return true;
+      if (other != thread && members_[other].cpu.load(std::memory_order_relaxed) == cpu) return true;
     }
     return false;
   }
 
   const int count_;
-  std::unique_ptr<Cpu[]> cpus_;
+  std::unique_ptr<Member[]> members_;
   std::atomic<int> arrived_{0};
   std::atomic<int> generation_{0};
 };
@@ -771,10 +807,11 @@ void packed_steps(const Loop& loop, int batch, int hidden, int gates, const floa
         if (input.x != nullptr) {  // the input side: x[rows] @ the block's w_ih, for gate_math beside h's product
           rows_product(end_row - first_row, input.x + (static_cast<size_t>(step.first) + first_row) * depth, depth,
                        depth, packed_ih.data() + static_cast<size_t>(b) * depth * kTile, input_products.data(),
-                       [](int, int) {});
+                       [&](int, int) { barrier.progress(thread); });
         }
         rows_product(end_row - first_row, current + static_cast<size_t>(first_row) * hidden, hidden, hidden, block,
                      products.data(), [&](int first, int count) {
+                       barrier.progress(thread);
                        for (int i = first; i < first + count; ++i) {
                          const size_t at = static_cast<size_t>(i) * kTile;
                          gate_math(step, first_row + i, unit, units, products.data() + at,
@@ -910,6 +947,7 @@ void packed_backward_steps(const Loop& loop, int batch, int hidden, const float*
         const int column = b * kTile, columns = std::min(kTile, hidden - column);
         rows_product(rows, row_of(d_gates, step->first + row), depth, depth, block, products.data(),
                      [&](int first, int count) {
+                       barrier.progress(thread);
                        for (int i = first; i < first + count; ++i) {
                          float* target = d_h + static_cast<size_t>(row + i) * hidden + column;
                          const float* result = products.data() + static_cast<size_t>(i) * kTile;
