@@ -227,8 +227,8 @@ def _lstm_sequence_function(batch_sizes: tuple[int, ...], reverse: bool, project
     return forward
 
 
-def _check_lstm_sequence(x_gates, w_hh, h0, c0, batch_sizes, w_hr, input_bias) -> tuple[int, ...]:
-    """Check lstm_sequence's arguments against each other; returns the batch sizes as a tuple."""
+def _check_lstm_state(w_hh, h0, c0, w_hr, input_bias) -> tuple[int, int]:
+    """Check an LSTM's state, recurrent weights and input bias against each other; returns (B, H)."""
     batch, hidden_size = check_state("c0", c0)
     dtype = c0.dtype
     if w_hr is None:
@@ -236,10 +236,9 @@ def _check_lstm_sequence(x_gates, w_hh, h0, c0, batch_sizes, w_hr, input_bias) -
     else:
         check_float_array(h0, "h0", (batch, None), dtype)
         check_float_array(w_hr, "w_hr", (h0.shape[1], hidden_size), dtype)
-    check_float_array(x_gates, "x_gates", (None, 4 * hidden_size), dtype)
     check_float_array(w_hh, "w_hh", (4 * hidden_size, h0.shape[1]), dtype)
     _check_input_bias(input_bias, 4 * hidden_size, dtype)
-    return check_batch_sizes(batch_sizes, x_gates.shape[0], batch, rows_name="x_gates")
+    return batch, hidden_size
 
 
 def lstm_sequence(x_gates, w_hh, h0, c0, batch_sizes, reverse=False, w_hr=None, *, input_bias=None):
@@ -250,7 +249,9 @@ def lstm_sequence(x_gates, w_hh, h0, c0, batch_sizes, reverse=False, w_hr=None, 
     c0: (B, H); batch_sizes: rows per step; w_hr: (P, H) for a projected LSTM
     (``proj_size = P``), else None.
     """
-    batch_sizes = _check_lstm_sequence(x_gates, w_hh, h0, c0, batch_sizes, w_hr, input_bias)
+    batch, hidden_size = _check_lstm_state(w_hh, h0, c0, w_hr, input_bias)
+    check_float_array(x_gates, "x_gates", (None, 4 * hidden_size), c0.dtype)
+    batch_sizes = check_batch_sizes(batch_sizes, x_gates.shape[0], batch, rows_name="x_gates")
     path, reverse = path_for(x_gates.dtype), bool(reverse)
     projection = () if w_hr is None else (w_hr,)
     if path == "native" and w_hr is None:  # the primitive saves what its own vjp needs where traced
@@ -278,15 +279,11 @@ def lstm_input_sequence(x, w_ih, w_hh, h0, c0, batch_sizes, reverse=False, *, in
     tiles of the recurrent product, instead of reading the (N, 4H) ``x_gates`` that one matmul wrote
     before it; elsewhere this is that matmul and :func:`lstm_sequence`.
     """
-    batch, hidden_size = check_state("c0", c0)
-    dtype = c0.dtype
-    check_float_array(h0, "h0", (batch, hidden_size), dtype)
-    check_float_array(x, "x", (None, None), dtype)
-    check_float_array(w_ih, "w_ih", (4 * hidden_size, x.shape[1]), dtype)
-    check_float_array(w_hh, "w_hh", (4 * hidden_size, hidden_size), dtype)
-    _check_input_bias(input_bias, 4 * hidden_size, dtype)
+    batch, hidden_size = _check_lstm_state(w_hh, h0, c0, None, input_bias)
+    check_float_array(x, "x", (None, None), c0.dtype)
+    check_float_array(w_ih, "w_ih", (4 * hidden_size, x.shape[1]), c0.dtype)
     batch_sizes = check_batch_sizes(batch_sizes, x.shape[0], batch, rows_name="x")
-    if path_for(dtype) != "native":
+    if path_for(c0.dtype) != "native":
         return lstm_sequence(x @ w_ih.T, w_hh, h0, c0, batch_sizes, reverse, input_bias=input_bias)
     traced = is_traced(x, w_ih, w_hh, h0, c0, input_bias)  # the primitive saves what its own vjp needs
     return tuple(native.extension().lstm_input_sequence(x, w_ih, w_hh, h0, c0, list(batch_sizes), bool(reverse),

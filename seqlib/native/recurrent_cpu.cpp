@@ -259,11 +259,15 @@ struct Lanes {
 };
 #endif
 
-// biased() through a Lanes reader: x[k..] (+ bias[k..] where there is a bias).
+// biased() through a Lanes reader: x[k..] (+ bias[bias_k..] where there is a bias).
+template <class At>
+inline auto biased_at(At at, const float* x, int k, const float* bias, int bias_k) {
+  const auto value = at(x + k);
+  return bias != nullptr ? value + at(bias + bias_k) : value;
+}
 template <class At>
 inline auto biased_at(At at, const float* x, const float* bias, int k) {
-  const auto value = at(x + k);
-  return bias != nullptr ? value + at(bias + k) : value;
+  return biased_at(at, x, k, bias, k);
 }
 
 // Units [first, end) of a row: body(j, at) for each vector of them (the last one partial), or for each unit
@@ -662,8 +666,7 @@ inline void lstm_gate_math(int units, int hidden, const float* x, int x_stride, 
   using simd::store;
   const Lanes lanes{units};
   const auto at = [&](int gate) {
-    const Vec input = lanes(x + gate * x_stride);
-    return (bias != nullptr ? input + lanes(bias + gate * hidden) : input) + simd::load(acc + gate * kUnits);
+    return biased_at(lanes, x, gate * x_stride, bias, gate * hidden) + simd::load(acc + gate * kUnits);
   };
   Vec i = at(0), f = at(1), g = at(2), o = at(3), c_new = simd::load(c, units);
   const Vec tanh_c = lstm_unit(i, f, g, o, c_new), h_new = o * tanh_c;
@@ -754,6 +757,12 @@ void final_states(const Loop& loop, const mx::array& output, float* h_n) {
 // core's few line-fill buffers and stalled it on the prefetches (a fifth of the gate math's samples at
 // (B, H) = (64, 128), Sapphire Rapids).
 
+// The n-th block that a thread of a packed loop takes at its step_index-th step, from its blocks [first, end):
+// forward at even steps, backward at odd ones (see "A thread takes its blocks in turn" above).
+inline int block_in_turn(int first, int end, int n, size_t step_index) {
+  return step_index % 2 == 0 ? first + n : end - 1 - n;
+}
+
 // The input sides of units [unit, unit + kUnits) of one row of x_gates, for its G gates, asked for: each
 // line once (a segment that starts past the first kUnits floats of its line lies in a line that the next
 // block asks for).
@@ -800,7 +809,7 @@ void packed_steps(const Loop& loop, int batch, int hidden, int gates, const floa
       const int ahead_first = ahead.first, ahead_end = ahead.second;
       before(step, first_unit, end_unit, first_row, end_row, current);
       for (int n = 0; n < end_block - first_block; ++n) {
-        const int b = s % 2 == 0 ? first_block + n : end_block - 1 - n;
+        const int b = block_in_turn(first_block, end_block, n, s);
         const float* block = packed.data() + static_cast<size_t>(b) * hidden * kTile;
         const int unit = b * kUnits, units = std::min(kUnits, hidden - unit);
         const auto ask = [&](int r) { prefetch_row(row_of(x_gates, coming->first + r) + unit, hidden, gates); };
@@ -940,9 +949,8 @@ void packed_backward_steps(const Loop& loop, int batch, int hidden, const float*
       gate_backward(*step, first, end, first_row, end_row);
       barrier.wait(thread);
       const int row = std::min(first_row, step->rows), rows = std::min(end_row, step->rows) - row;
-      const bool odd = (step - loop.steps.rbegin()) % 2 == 1;  // blocks forward and backward, as in packed_steps
       for (int i = 0; i < end_block - first_block; ++i) {
-        const int b = odd ? end_block - 1 - i : first_block + i;
+        const int b = block_in_turn(first_block, end_block, i, step - loop.steps.rbegin());
         const float* block = packed.data() + static_cast<size_t>(b) * depth * kTile;
         const int column = b * kTile, columns = std::min(kTile, hidden - column);
         rows_product(rows, row_of(d_gates, step->first + row), depth, depth, block, products.data(),
@@ -1320,20 +1328,33 @@ std::vector<const mx::array*> with_bias(const char* op, std::vector<const mx::ar
   return inputs;
 }
 
+// An LSTM forward's state and recurrent weights checked against each other: c0 (B, H), h0 (B, H), w_hh (4H, H).
+// Returns (B, H).
+std::pair<int, int> lstm_state_shape(const char* op, const mx::array& w_hh, const mx::array& h0, const mx::array& c0) {
+  const auto [b, h] = state_shape(op, "c0", c0);
+  check_array(op, "h0", h0, {b, h});
+  check_array(op, "w_hh", w_hh, {4 * h, h});
+  return {b, h};
+}
+
+// The shapes of an LSTM forward's outputs: output (N, H), h_n, c_n (B, H) [, activations (N, 4H), tanh_c,
+// c_prev, h_prev (N, H): what its backward reads, where saved].
+std::vector<mx::Shape> lstm_output_shapes(int n, int b, int h, bool save) {
+  std::vector<mx::Shape> shapes = {{n, h}, {b, h}, {b, h}};
+  if (save) shapes.insert(shapes.end(), {{n, 4 * h}, {n, h}, {n, h}, {n, h}});
+  return shapes;
+}
+
 std::vector<mx::array> lstm_sequence(const mx::array& x_gates, const mx::array& w_hh, const mx::array& h0,
                                      const mx::array& c0, std::vector<int> batch_sizes, bool reverse, bool save,
                                      const std::optional<mx::array>& bias) {
   const char* op = "lstm_sequence";
-  const auto [b_, h_] = state_shape(op, "c0", c0);
-  check_array(op, "h0", h0, {b_, h_});
-  check_array(op, "w_hh", w_hh, {4 * h_, h_});
-  check_array(op, "x_gates", x_gates, {x_gates.ndim() == 2 ? x_gates.shape(0) : 0, 4 * h_});
-  check_steps(op, batch_sizes, b_, x_gates.shape(0));
-  const int n = x_gates.shape(0), b = h0.shape(0), h = h0.shape(1);
-  std::vector<mx::Shape> shapes = {{n, h}, {b, h}, {b, h}};
-  if (save) shapes.insert(shapes.end(), {{n, 4 * h}, {n, h}, {n, h}, {n, h}});
-  return sequence("LSTMSequence", lstm_forward, shapes, with_bias(op, {&x_gates, &w_hh, &h0, &c0}, bias, 4 * h),
-                  batch_sizes, reverse, save ? kSave : 0, lstm_vjp);
+  const auto [b, h] = lstm_state_shape(op, w_hh, h0, c0);
+  check_array(op, "x_gates", x_gates, {x_gates.ndim() == 2 ? x_gates.shape(0) : 0, 4 * h});
+  check_steps(op, batch_sizes, b, x_gates.shape(0));
+  return sequence("LSTMSequence", lstm_forward, lstm_output_shapes(x_gates.shape(0), b, h, save),
+                  with_bias(op, {&x_gates, &w_hh, &h0, &c0}, bias, 4 * h), batch_sizes, reverse, save ? kSave : 0,
+                  lstm_vjp);
 }
 
 // lstm_sequence of x_gates = x w_ih^T, from the input x (N, D) and w_ih (4H, D): the loop computes each step's
@@ -1342,9 +1363,7 @@ std::vector<mx::array> lstm_input_sequence(const mx::array& x, const mx::array& 
                                            const mx::array& h0, const mx::array& c0, std::vector<int> batch_sizes,
                                            bool reverse, bool save, const std::optional<mx::array>& bias) {
   const char* op = "lstm_input_sequence";
-  const auto [b_, h_] = state_shape(op, "c0", c0);
-  check_array(op, "h0", h0, {b_, h_});
-  check_array(op, "w_hh", w_hh, {4 * h_, h_});
+  const auto [b_, h_] = lstm_state_shape(op, w_hh, h0, c0);
   if (x.ndim() != 2) {
     throw std::invalid_argument(std::string(op) + ": expected x of shape (N, D), got " + shape_text(x.shape()));
   }
@@ -1357,10 +1376,8 @@ std::vector<mx::array> lstm_input_sequence(const mx::array& x, const mx::array& 
     const auto s = seqlib_cpu::cpu_stream();
     return lstm_sequence(mx::matmul(x, mx::transpose(w_ih, s), s), w_hh, h0, c0, batch_sizes, reverse, save, bias);
   }
-  std::vector<mx::Shape> shapes = {{n_, h_}, {b_, h_}, {b_, h_}};
-  if (save) shapes.insert(shapes.end(), {{n_, 4 * h_}, {n_, h_}, {n_, h_}, {n_, h_}});
-  return run_loop("LSTMSequence", lstm_forward, shapes, with_bias(op, {&x, &w_hh, &h0, &c0, &w_ih}, bias, 4 * h_),
-                  std::move(loop), lstm_vjp);
+  return run_loop("LSTMSequence", lstm_forward, lstm_output_shapes(n_, b_, h_, save),
+                  with_bias(op, {&x, &w_hh, &h0, &c0, &w_ih}, bias, 4 * h_), std::move(loop), lstm_vjp);
 }
 
 std::vector<mx::array> lstm_sequence_backward(const mx::array& w_hh, const mx::array& activations,
