@@ -61,6 +61,13 @@ static volatile int last_call_threads = 0;
 
 EXPORT int seqlib_blas_shim_last_threads(void) { return last_call_threads; }
 
+/* Forwarded calls that ran on more than one thread.  seqlib.native's idle workers watch it: a threaded
+ * product needs every core, so they stop spinning and sleep when it changes (see Workers in
+ * native/cpu_loop.h). */
+static volatile int64_t threaded_calls = 0;
+
+EXPORT int64_t seqlib_blas_shim_threaded_calls(void) { return __atomic_load_n(&threaded_calls, __ATOMIC_RELAXED); }
+
 /* Before a product: one thread if it is small.  Returns the thread count to restore after it (0:
  * none).  Larger products run on as many threads as OpenBLAS is set to use (OPENBLAS_NUM_THREADS,
  * threadpoolctl, the user): the shim lowers the count for a call, never raises it. */
@@ -68,6 +75,7 @@ static int threads_for(long long multiply_adds) {
   int threads = scipy_openblas_get_num_threads();
   if (multiply_adds >= SMALL_GEMM || threads <= 1) {
     last_call_threads = threads;
+    if (threads > 1) __atomic_add_fetch(&threaded_calls, 1, __ATOMIC_RELAXED);
     return 0;
   }
   scipy_openblas_set_num_threads(1);

@@ -104,7 +104,7 @@ def test_the_shim_exports_only_mlxs_three_gemm_names():
     listing = subprocess.run(["nm", "-D", "--defined-only", shim_path], capture_output=True, text=True).stdout
     functions = {line.split()[-1] for line in listing.splitlines() if " T " in line}
     assert functions == {"cblas_sgemm", "cblas_dgemm", "cblas_cgemm", "seqlib_blas_shim_calls",
-                         "seqlib_blas_shim_last_threads"}
+                         "seqlib_blas_shim_last_threads", "seqlib_blas_shim_threaded_calls"}
 
 
 MLX_FIRST = """
@@ -246,23 +246,29 @@ def test_openblas_workers_stop_spinning_soon_after_a_product_unless_the_user_say
 @linux_only
 def test_small_products_run_on_one_openblas_thread_and_large_ones_on_all_it_may_use():
     """A recurrent step's small GEMM handed to several threads waited on them: 10x slower on a busy machine.
-    The shim lowers the thread count for such calls and restores it; it never raises it (threadpoolctl)."""
+    The shim lowers the thread count for such calls and restores it; it never raises it (threadpoolctl).
+    It counts the calls that run threaded (seqlib.native's idle workers stop watching at one)."""
     result = run_python("""
         import ctypes, os, scipy_openblas32, seqlib, mlx.core as mx
         seqlib.route_mlx_blas()
         openblas = ctypes.CDLL(os.path.join(scipy_openblas32.get_lib_dir(), "libscipy_openblas.so"))
-        last = ctypes.CDLL(seqlib.blas_status().shim_path).seqlib_blas_shim_last_threads
-        used, after = [], []
+        shim = ctypes.CDLL(seqlib.blas_status().shim_path)
+        last, threaded = shim.seqlib_blas_shim_last_threads, shim.seqlib_blas_shim_threaded_calls
+        threaded.restype = ctypes.c_int64
+        used, after, counted = [], [], []
         for limit, size in ((2, 8), (2, 512), (2, 16), (1, 512)):  # 512, 134 million, 4,096 multiply-adds
             openblas.scipy_openblas_set_num_threads(limit)  # as threadpoolctl would
             a = mx.ones((size, size))
+            mx.eval(a)
+            before = threaded()
             mx.eval(a @ a)
             used.append(last())
             after.append(openblas.scipy_openblas_get_num_threads())
-        print(used, after)
+            counted.append(threaded() - before)
+        print(used, after, counted)
     """, OPENBLAS_NUM_THREADS="2")
     assert result.returncode == 0, result.stderr
-    assert result.stdout.strip() == "[1, 2, 1, 1] [2, 2, 2, 1]"
+    assert result.stdout.strip() == "[1, 2, 1, 1] [2, 2, 2, 1] [0, 1, 0, 0]"
 
 
 @linux_only

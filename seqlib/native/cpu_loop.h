@@ -209,6 +209,13 @@ inline int thread_budget() {
   return budget;
 }
 
+// Threaded products the BLAS shim (seqlib/_blas_shim.c, loaded before this library) has started so far; 0
+// where it is not loaded.
+extern "C" __attribute__((weak, visibility("default"))) int64_t seqlib_blas_shim_threaded_calls(void);
+inline int64_t threaded_blas_calls() {
+  return seqlib_blas_shim_threaded_calls != nullptr ? seqlib_blas_shim_threaded_calls() : 0;
+}
+
 // Threads kept between calls, so that a loop's team costs a wake-up per thread (a system call each) instead
 // of starting one: 16 threads started and joined took 340 us on a 16-core Sapphire Rapids virtual machine.
 // One team at a time: a caller that finds them taken (a loop on another MLX stream, or one inside a loop)
@@ -219,7 +226,13 @@ inline int thread_budget() {
 // hundreds of microseconds apart) find it awake on its own core: a sleeping worker, woken again at every step,
 // was often woken onto the caller's core on a 2-core virtual machine, and an LSTMCell step at H = 512 (two
 // threads) took 363 us a step, 225 with the watch (50 steps after an idle process, interleaved; torch on two
-// threads: 267).  Recurrent loops of large steps take the same time either way.
+// threads: 267).  The watch ends early where a product starts on OpenBLAS's threads (the BLAS shim counts
+// them: threaded_blas_calls), which want every core: on a 16-core Sapphire Rapids virtual machine, workers
+// still watching when a layer's gradient handed over to its weight-gradient products made that gradient
+// slower and erratic.  Medians of 7, five alternated runs each, watching / sleeping at once: LSTM at
+// (T, B, D, H) = (35, 20, 650, 650) 16.9-46.4 / 17.1-20.7 ms, GRU at (200, 64, 128, 128) 27.5-97.7 /
+// 23.4-26.6, GRU at (100, 32, 256, 512) 46.2-53.1 / 34.6-40.1; forwards alike; but 50 streamed LSTMCell
+// steps at H = 512, 4.0-5.2 / 4.9-7.0 ms.  Stopping at a threaded product keeps the watch where it pays.
 class Workers {
  public:
   // A type-erased body(part).
@@ -257,9 +270,10 @@ class Workers {
       std::thread([this, wake = wake.get(), part = static_cast<int>(sleepers_.size()) + 1] {
         for (;;) {
           bool woken = false;
-          for (int spins = 0; spins < kWatchSpins && !woken; ++spins) {
-            woken = wake->try_acquire();
-            if (!woken) spin_pause();
+          const int64_t blas_calls = threaded_blas_calls();
+          for (int spins = 1; spins <= kWatchSpins && !(woken = wake->try_acquire()); ++spins) {
+            if (spins % kBlasCheckEvery == 0 && threaded_blas_calls() != blas_calls) break;  // it needs this core
+            spin_pause();
           }
           if (!woken) wake->acquire();
           fesetenv(&environment_);
@@ -284,7 +298,7 @@ class Workers {
     return workers;
   }
 
-  static constexpr int kWatchSpins = 1 << 13;
+  static constexpr int kWatchSpins = 1 << 13, kBlasCheckEvery = 64;
   std::atomic<bool> taken_{false};  // a flag, not a mutex: a part that runs a loop of its own may ask again
   std::vector<std::unique_ptr<std::binary_semaphore>> sleepers_;  // worker i runs part i + 1
   Job job_{};
