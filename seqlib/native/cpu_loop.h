@@ -16,6 +16,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <chrono>
 #include <cfenv>
 #include <cstdint>
 #include <cstdlib>
@@ -220,19 +221,24 @@ inline int64_t threaded_blas_calls() {
 // of starting one: 16 threads started and joined took 340 us on a 16-core Sapphire Rapids virtual machine.
 // One team at a time: a caller that finds them taken (a loop on another MLX stream, or one inside a loop)
 // starts its own threads, as does a process forked from one that had workers.  Each part runs in the
-// caller's floating-point environment (rounding, flush-to-zero), as a thread started by it would.  Each worker sleeps on its own
-// semaphore (a futex) and is never destroyed: at exit it is still asleep.  After a part it first watches its
-// semaphore for kWatchSpins pauses (about 90 us), so that calls in quick succession (a streamed step, tens to
-// hundreds of microseconds apart) find it awake on its own core: a sleeping worker, woken again at every step,
-// was often woken onto the caller's core on a 2-core virtual machine, and an LSTMCell step at H = 512 (two
-// threads) took 363 us a step, 225 with the watch (50 steps after an idle process, interleaved; torch on two
-// threads: 267).  The watch ends early where a product starts on OpenBLAS's threads (the BLAS shim counts
-// them: threaded_blas_calls), which want every core: on a 16-core Sapphire Rapids virtual machine, workers
-// still watching when a layer's gradient handed over to its weight-gradient products made that gradient
-// slower and erratic.  Medians of 7, five alternated runs each, watching / sleeping at once: LSTM at
-// (T, B, D, H) = (35, 20, 650, 650) 16.9-46.4 / 17.1-20.7 ms, GRU at (200, 64, 128, 128) 27.5-97.7 /
-// 23.4-26.6, GRU at (100, 32, 256, 512) 46.2-53.1 / 34.6-40.1; forwards alike; but 50 streamed LSTMCell
-// steps at H = 512, 4.0-5.2 / 4.9-7.0 ms.  Stopping at a threaded product keeps the watch where it pays.
+// caller's floating-point environment (rounding, flush-to-zero), as a thread started by it would.  Each
+// worker sleeps on its own semaphore (a futex) and is never destroyed: at exit it is still asleep.
+//
+// After a part a worker first watches for its next job for kWatchTime, so that calls in quick succession (a
+// streamed step, hundreds of microseconds apart) find it awake on its own core: a sleeping worker, woken
+// again at every step, was often woken onto the caller's core on a 2-core virtual machine, and an LSTMCell
+// step at H = 512 (two threads) took 363 us a step, 225 with a watch (50 steps after an idle process,
+// interleaved; torch on two threads: 267).  That watch was meant to last 90 us but lasted 7.4 ms: it polled
+// the semaphore's try_acquire, which in libstdc++ spins and yields inside, 0.9 us a failed call.  It now
+// reads a count of posted jobs, for at most kWatchTime.  50 streamed LSTMCell steps at H = 512 on the same
+// machine, microseconds a step, three alternated processes each: the 7.4 ms watch 371, 464, 376; 250 us
+// 365, 388, 392; 500 us 293, 306, 400; 1 ms 294, 376, 401.  The watch ends early where a product starts on
+// OpenBLAS's threads (the BLAS shim counts them: threaded_blas_calls), which want every core: on a 16-core
+// Sapphire Rapids virtual machine, workers still watching when a layer's gradient handed over to its
+// weight-gradient products made that gradient slower and erratic.  Medians of 7, five alternated runs each,
+// the 7.4 ms watch / none: LSTM at (T, B, D, H) = (35, 20, 650, 650) 16.9-46.4 / 17.1-20.7 ms, GRU at
+// (200, 64, 128, 128) 27.5-97.7 / 23.4-26.6, GRU at (100, 32, 256, 512) 46.2-53.1 / 34.6-40.1; forwards
+// alike; but 50 streamed LSTMCell steps at H = 512, 4.0-5.2 / 4.9-7.0 ms.
 class Workers {
  public:
   // A type-erased body(part).
@@ -266,27 +272,34 @@ class Workers {
       ~Release() { taken.store(false, std::memory_order_release); }
     } release{taken_};
     while (static_cast<int>(sleepers_.size()) < parts - 1) {
-      auto wake = std::make_unique<std::binary_semaphore>(0);
-      std::thread([this, wake = wake.get(), part = static_cast<int>(sleepers_.size()) + 1] {
-        for (;;) {
-          bool woken = false;
+      auto sleeper = std::make_unique<Sleeper>();
+      std::thread([this, sleeper = sleeper.get(), part = static_cast<int>(sleepers_.size()) + 1] {
+        for (unsigned taken = 0;; ++taken) {
           const int64_t blas_calls = threaded_blas_calls();
-          for (int spins = 1; spins <= kWatchSpins && !(woken = wake->try_acquire()); ++spins) {
-            if (spins % kBlasCheckEvery == 0 && threaded_blas_calls() != blas_calls) break;  // it needs this core
+          const auto watch_end = std::chrono::steady_clock::now() + kWatchTime;
+          for (int spins = 1; sleeper->posted.load(std::memory_order_relaxed) == taken; ++spins) {
+            if (spins % kCheckEvery == 0 &&  // the watch is over, or a threaded product needs this core
+                (std::chrono::steady_clock::now() > watch_end || threaded_blas_calls() != blas_calls)) {
+              break;
+            }
             spin_pause();
           }
-          if (!woken) wake->acquire();
+          sleeper->wake.acquire();  // at once where the job was posted
           fesetenv(&environment_);
           job_.call(job_.body, part);
           if (running_.fetch_sub(1, std::memory_order_acq_rel) == 1) done_.release();
         }
       }).detach();  // a worker exists before its semaphore is listed: a failed start lists none
-      sleepers_.push_back(std::move(wake));
+      sleepers_.push_back(std::move(sleeper));
     }
     job_ = job;
     fegetenv(&environment_);
     running_.store(parts - 1, std::memory_order_relaxed);
-    for (int part = 1; part < parts; ++part) sleepers_[part - 1]->release();  // publishes job_ to the worker
+    for (int part = 1; part < parts; ++part) {
+      Sleeper& sleeper = *sleepers_[part - 1];
+      sleeper.posted.fetch_add(1, std::memory_order_relaxed);
+      sleeper.wake.release();  // publishes job_ to the worker
+    }
     job.call(job.body, 0);
     done_.acquire();  // released by the last worker to finish: all their writes are visible here
     return true;
@@ -298,9 +311,15 @@ class Workers {
     return workers;
   }
 
-  static constexpr int kWatchSpins = 1 << 13, kBlasCheckEvery = 64;
+  static constexpr std::chrono::microseconds kWatchTime{1000};
+  static constexpr int kCheckEvery = 64;  // pauses between looks at the clock and the BLAS shim's count
   std::atomic<bool> taken_{false};  // a flag, not a mutex: a part that runs a loop of its own may ask again
-  std::vector<std::unique_ptr<std::binary_semaphore>> sleepers_;  // worker i runs part i + 1
+  // A worker's semaphore and the count of jobs posted to it, which its watch reads (not the semaphore).
+  struct alignas(64) Sleeper {
+    std::binary_semaphore wake{0};
+    std::atomic<unsigned> posted{0};
+  };
+  std::vector<std::unique_ptr<Sleeper>> sleepers_;  // worker i runs part i + 1
   Job job_{};
   fenv_t environment_{};  // the caller's floating-point environment, which each part runs in
   std::atomic<int> running_{0};
