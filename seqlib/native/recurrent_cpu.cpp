@@ -374,12 +374,13 @@ void gru_gate_backward(const std::vector<mx::array>& ins, std::vector<mx::array>
 // Both halves were measured.  Sleeping: on a 2-core virtual machine, a team of two woken after the process
 // was idle (as the benchmark harness times each call) often ran on one core, a step's partners taking turns,
 // and the LSTM at (T, B, D, H) = (50, 1, 64, 256) took 10-12 ms where it takes 1.2 while its threads spun
-// without a bound; and a 500 us spin that did not watch its partners made the unit tests (torch's threads
-// spinning between the oracle's calls) take 14.7 minutes instead of 3.4.  Spinning: on a 16-core Sapphire
-// Rapids virtual machine a thread woken from the futex arrives late at the next meeting by its wake-up (a
-// halted virtual CPU is woken by the host), so that with a 45 us spin its partners slept again at the next
-// step, and at the next: one LSTM layer's forward at (35, 20, 650, 650) took 23 ms, its loop 7.1, with 359
-// of the loop's 525 waits asleep; spinning about 0.7 ms, 6.0 ms, the loop 3.2, none asleep (torch: 6.4).
+// without a bound; and with a 500 us spin that did not watch its partners, a fresh clone's unit tests (torch's
+// threads spinning between the oracle's calls) took 14.7 minutes instead of 3.4 (though a later fresh clone
+// without that spin once took 14.3, and 4.2 when rerun: that figure may be partly the machine's).
+// Spinning: on a 16-core Sapphire Rapids virtual machine a thread woken from the futex arrives late at the next meeting
+// by its wake-up (a halted virtual CPU is woken by the host), so that with a 45 us spin its partners slept again at the
+// next step, and at the next: one LSTM layer's forward at (35, 20, 650, 650) took 23 ms, its loop 7.1, with 359 of the
+// loop's 525 waits asleep; spinning about 0.7 ms, 6.0 ms, the loop 3.2, none asleep (torch: 6.4).
 class StepBarrier {
  public:
   explicit StepBarrier(int count) : count_(count), members_(std::make_unique<Member[]>(count)) {}
