@@ -141,7 +141,7 @@ STREAMED = {
     "LSTM 2 layers": lambda bias: seqlib.nn.LSTM(64, 128, num_layers=2, bias=bias),
     "GRU": lambda bias: seqlib.nn.GRU(128, 64, bias=bias),
     "RNN 2 layers": lambda bias: seqlib.nn.RNN(64, 64, num_layers=2, bias=bias),
-    # over 1 MB of weights (at 8 bits; the LSTM also at 4): a team of threads shares the products' rows
+    # over 1 MB of float weights: a team of threads shares the products' rows (on a machine with 2 cores or more)
     "LSTMCell wide": lambda bias: seqlib.nn.LSTMCell(640, 640, bias=bias),
     "GRUCell wide": lambda bias: seqlib.nn.GRUCell(320, 576, bias=bias),
 }

@@ -1915,17 +1915,22 @@ void add_quantized_rows(const float* x_row, const float* x_sums, const Quantized
 
 // Products on quantized weights, each out (B, N) += x (B, K) @ W^T in the order given (every W has N rows;
 // two products may share an out), their rows shared by a team as the float step's (share_step_rows).  LSTMCell
-// H = 512 at 8 bits (2.3 MB a step) on a 2-core Sapphire Rapids: the step alone 170-250 -> 130-160 us.
+// H = 512 at 8 bits (2.3 MB a step) on a 2-core Sapphire Rapids: the step alone 170-250 -> 130-160 us.  The
+// team is sized by the float matrices' bytes, as the float step's, not the packed bytes: converting the
+// integers costs about what reading floats does, so counting packed bytes gave the 8-bit step a quarter of the
+// float step's team.  On a 16-core Emerald Rapids virtual machine that made the 8-bit LSTMCell step at H = 512
+// slower than the float one (151 against 81 us, 4 threads against 16; its float weights fit in the 16 cores'
+// L2).  On 2 cores, alternated processes, us per step at H = 256 (1 thread -> 2): 82, 79, 75 -> 76, 75, 75.
 struct QuantizedProduct {
   mx::array x;
   const QuantizedMatrix* w;
   float* out;
 };
 void add_quantized_products(const std::vector<QuantizedProduct>& products) {
-  size_t bytes = 0;
+  size_t work = 0;  // the float matrices' bytes: converting the integers, not reading them, is the cost
   std::vector<std::vector<float>> x_sums;  // per product, (B, groups): each row of x summed over each group
   for (const auto& [x, w, out] : products) {
-    bytes += w->packed.nbytes() + w->scales.nbytes() + w->biases.nbytes();
+    work += sizeof(float) * w->packed.shape(0) * x.shape(1);
     const int batch = x.shape(0), depth = x.shape(1), groups = depth / w->group_size;
     std::vector<float>& sums = x_sums.emplace_back(static_cast<size_t>(batch) * groups, 0.0f);
     const float* xs = x.data<float>();
@@ -1934,7 +1939,7 @@ void add_quantized_products(const std::vector<QuantizedProduct>& products) {
     }
   }
   const int width = products.front().w->packed.shape(0);
-  share_step_rows(bytes, width, [&](int first, int end) {
+  share_step_rows(work, width, [&](int first, int end) {
     for (size_t p = 0; p < products.size(); ++p) {
       const auto& [x, w, out] = products[p];
       const size_t depth = x.shape(1), groups = depth / w->group_size;
