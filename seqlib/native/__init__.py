@@ -88,9 +88,7 @@ def _self_check(module) -> None:
     keys = mx.random.split(mx.random.key(0), 4)
     x_gates, w_hh = mx.random.normal((6, 8), key=keys[0]), mx.random.normal((8, 2), key=keys[1]) * 0.5
     h0, c0 = mx.random.normal((3, 2), key=keys[2]), mx.random.normal((3, 2), key=keys[3])
-    output, h_n, c_n, activations, tanh_c, c_prev, _ = module.lstm_sequence(
-        x_gates, w_hh, h0, c0, [3, 2, 1], False, True
-    )
+    output, h_n, c_n, activations, c_saved, _ = module.lstm_sequence(x_gates, w_hh, h0, c0, [3, 2, 1], False, True)
     h, c, rows = h0, c0, 0
     for size in (3, 2, 1):
         want_h, want_c, _, _ = lstm_pointwise(x_gates[rows:rows + size] + h[:size] @ w_hh.T, c[:size], compiled=False)
@@ -102,9 +100,11 @@ def _self_check(module) -> None:
         rows += size
     d_output = mx.ones_like(output)
     d_x_gates, _, _ = module.lstm_sequence_backward(
-        w_hh, activations, tanh_c, c_prev, d_output, mx.zeros_like(h_n), mx.zeros_like(c_n), [3, 2, 1], False
+        w_hh, activations, c_saved, c0, d_output, mx.zeros_like(h_n), mx.zeros_like(c_n), [3, 2, 1], False
     )
-    want, _ = lstm_pointwise_backward(d_output[5:], mx.zeros((1, 2)), activations[5:], tanh_c[5:], c_prev[5:])
+    # the last step (row 5): its c is c_saved[5], the c before it the second step's first row, c_saved[3]
+    want, _ = lstm_pointwise_backward(d_output[5:], mx.zeros((1, 2)), activations[5:], mx.tanh(c_saved[5:]),
+                                      c_saved[3:4])  # fmt: skip
     error = float(mx.abs(d_x_gates[5:] - want).max())
     if not error < 1e-5:
         raise ValueError(f"the backward differs from the MLX-ops path by {error:.1e}")

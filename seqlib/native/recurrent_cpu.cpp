@@ -282,16 +282,16 @@ inline void for_units(int first, int end, Body body) {
 }
 
 // One row's LSTM gate math: a (4H) holds the row's pre-activations i, f, g, o and becomes their
-// activations; c_row advances in place; h_row and out_row get the new h, tanh_row (where not nullptr)
-// tanh of the new c.
-inline void lstm_row(int hidden, float* a, float* c_row, float* h_row, float* out_row, float* tanh_row) {
+// activations; c_row advances in place; h_row and out_row get the new h, saved_c (where not nullptr) the
+// new c.
+inline void lstm_row(int hidden, float* a, float* c_row, float* h_row, float* out_row, float* saved_c) {
   for_units(0, hidden, [&](int j, Lanes at) {
     auto i = at(a + j), f = at(a + hidden + j), g = at(a + 2 * hidden + j), o = at(a + 3 * hidden + j);
     auto c = at(c_row + j);
     const auto tanh_c = lstm_unit(i, f, g, o, c), h = o * tanh_c;
     at.put(a + j, i), at.put(a + hidden + j, f), at.put(a + 2 * hidden + j, g), at.put(a + 3 * hidden + j, o);
     at.put(c_row + j, c), at.put(h_row + j, h), at.put(out_row + j, h);
-    if (tanh_row != nullptr) at.put(tanh_row + j, tanh_c);
+    if (saved_c != nullptr) at.put(saved_c + j, c);
   });
 }
 
@@ -310,16 +310,27 @@ inline void gru_row(int hidden, const float* x, const float* bias, const float* 
   });
 }
 
+// The step computed before `step` in loop (nullptr for the first): where a row's state came from.
+inline const Step* earlier_step(const Loop& loop, const Step& step) {
+  return &step == loop.steps.data() ? nullptr : &step - 1;
+}
+
 // The LSTM's backward through one step's gate math, for units [first, end) of rows [first_row, end_row) (those
 // of the step's rows that fall there): d_gates (the
 // step's rows of outs[0]) from d_h (the gradient reaching h, rows of d_h0's buffer) and d_c, which moves
-// back a step in place.  ins and outs as lstm_backward's.
+// back a step in place.  tanh of the step's c is computed again (the forward's function on the same floats:
+// the same bits); the c before the step is the earlier step's saved row, or c0's where the row was not in
+// that step (the first step; a sequence that joins later in the reverse direction).  ins and outs as
+// lstm_backward's; earlier: earlier_step(loop, step).
 void lstm_gate_backward(const std::vector<mx::array>& ins, std::vector<mx::array>& outs, const Step& step,
-                        const float* d_h, float* d_c, int first, int end, int first_row, int end_row) {
+                        const Step* earlier, const float* d_h, float* d_c, int first, int end, int first_row,
+                        int end_row) {
   const int hidden = ins[5].shape(1);
   for (int r = first_row; r < std::min(end_row, step.rows); ++r) {
     const int row = step.first + r;
-    const float *a = row_of(ins[1], row), *tanh_cs = row_of(ins[2], row), *c_prev = row_of(ins[3], row);
+    const float *a = row_of(ins[1], row), *c_row = row_of(ins[2], row);
+    const float* c_prev = earlier != nullptr && r < earlier->rows ? row_of(ins[2], earlier->first + r)
+                                                                  : row_of(ins[3], r);
     const float* d_output = row_of(ins[4], row);
     float* d_a = row_of(outs[0], row);
     const float* d_h_row = d_h + static_cast<size_t>(r) * hidden;
@@ -328,7 +339,8 @@ void lstm_gate_backward(const std::vector<mx::array>& ins, std::vector<mx::array
       auto d_c_j = at(d_c_row + j);
       decltype(d_c_j) d_i, d_f, d_g, d_o;
       lstm_unit_backward(at(a + j), at(a + hidden + j), at(a + 2 * hidden + j), at(a + 3 * hidden + j),
-                         at(tanh_cs + j), at(c_prev + j), at(d_output + j) + at(d_h_row + j), d_c_j, d_i, d_f, d_g, d_o);
+                         fast_tanh(at(c_row + j)), at(c_prev + j), at(d_output + j) + at(d_h_row + j), d_c_j, d_i, d_f,
+                         d_g, d_o);
       at.put(d_a + j, d_i), at.put(d_a + hidden + j, d_f), at.put(d_a + 2 * hidden + j, d_g);
       at.put(d_a + 3 * hidden + j, d_o), at.put(d_c_row + j, d_c_j);
     });
@@ -661,9 +673,9 @@ inline void rows_product(int rows, const float* a, int lda, int depth, const flo
 // (i, f, g, o: kUnits each), x their input sides (i at x[0], f at x[x_stride], ...: a row of x_gates, stride
 // H, or of a tile's input products, stride kUnits) and bias (i at bias[0], f at bias[H], ...; or nullptr)
 // what is added to them; c advances in place, h and out get the new h, and where asked act (i at 0, f at H,
-// ...) and tanh_row what the backward reads.
+// ...) and saved_c (the new c) what the backward reads.
 inline void lstm_gate_math(int units, int hidden, const float* x, int x_stride, const float* bias, const float* acc,
-                           float* c, float* h, float* out, float* act, float* tanh_row) {
+                           float* c, float* h, float* out, float* act, float* saved_c) {
   using simd::store;
   const Lanes lanes{units};
   const auto at = [&](int gate) {
@@ -676,7 +688,7 @@ inline void lstm_gate_math(int units, int hidden, const float* x, int x_stride, 
   store(out, h_new, units);
   if (act != nullptr) {
     store(act, i, units), store(act + hidden, f, units), store(act + 2 * hidden, g, units);
-    store(act + 3 * hidden, o, units), store(tanh_row, tanh_c, units);
+    store(act + 3 * hidden, o, units), store(saved_c, c_new, units);
   }
 }
 
@@ -860,8 +872,7 @@ void lstm_forward_packed(std::vector<mx::array>& ins, std::vector<mx::array>& ou
   auto before = [&](const Step& step, int first, int end, int first_row, int end_row, const float* current) {
     if (!save) return;
     const size_t at = static_cast<size_t>(first_row) * hidden;
-    copy_columns(row_of(outs[6], step.first + first_row), current + at, end_row - first_row, hidden, first, end);
-    copy_columns(row_of(outs[5], step.first + first_row), c + at, end_row - first_row, hidden, first, end);
+    copy_columns(row_of(outs[5], step.first + first_row), current + at, end_row - first_row, hidden, first, end);
   };
   auto gate_math = [&](const Step& step, int r, int unit, int units, const float* acc, const float* input_acc,
                        const float*, float* next) {
@@ -976,7 +987,8 @@ void lstm_backward_packed(std::vector<mx::array>& ins, std::vector<mx::array>& o
   copy_rows(d_c, ins[6].data<float>(), batch, hidden);
   packed_backward_steps(loop, batch, hidden, ins[0].data<float>(), outs[0], d_h,
                         false, [&](const Step& step, int first, int end, int first_row, int end_row) {
-                          lstm_gate_backward(ins, outs, step, d_h, d_c, first, end, first_row, end_row);
+                          lstm_gate_backward(ins, outs, step, earlier_step(loop, step), d_h, d_c, first, end,
+                                             first_row, end_row);
                         });
 }
 
@@ -1031,7 +1043,8 @@ bool computes_input_side(const Loop& loop, int batch, int depth, int hidden) {
 
 // ins: x_gates (N, 4H), w_hh (4H, H), h0, c0 (B, H) [, bias (4H,) added to every row of x_gates]
 //   or with kInputSide: x (N, D), w_hh, h0, c0, w_ih (4H, D) [, bias]
-// outs: output (N, H), h_n, c_n (B, H) [, activations (N, 4H), tanh_c, c_prev, h_prev (N, H)]
+// outs: output (N, H), h_n, c_n (B, H) [, activations (N, 4H), c, h_prev (N, H): each step's activations, its
+//   new c and the h before it, what the backward reads]
 void lstm_forward(std::vector<mx::array>& ins, std::vector<mx::array>& outs, const Loop& loop) {
 #if defined(__AVX2__) && defined(__FMA__)
   if ((loop.option & kInputSide) || runs_packed(loop, ins[2].shape(0), ins[2].shape(1), 4)) {
@@ -1050,10 +1063,7 @@ void lstm_forward(std::vector<mx::array>& ins, std::vector<mx::array>& outs, con
   std::vector<float> pre(static_cast<size_t>(batch) * gates);
   for (const Step& step : steps) {
     biased_rows(pre.data(), row_of(ins[0], step.first), bias, step.rows, gates);
-    if (save) {
-      copy_rows(row_of(outs[6], step.first), h, step.rows, hidden);
-      copy_rows(row_of(outs[5], step.first), c, step.rows, hidden);
-    }
+    if (save) copy_rows(row_of(outs[5], step.first), h, step.rows, hidden);
     // pre (rows, 4H) = x_gates[rows of the step] (+ bias) + h[:rows] @ w_hh^T
     cblas_sgemm(kRowMajor, kNoTrans, kTrans, step.rows, gates, hidden, 1.0f, h, hidden,
                       ins[1].data<float>(), hidden, 1.0f, pre.data(), gates);
@@ -1066,7 +1076,7 @@ void lstm_forward(std::vector<mx::array>& ins, std::vector<mx::array>& outs, con
   }
 }
 
-// ins: w_hh (4H, H), activations (N, 4H), tanh_c, c_prev, d_output (N, H), d_h_n, d_c_n (B, H)
+// ins: w_hh (4H, H), activations (N, 4H), c (N, H), c0 (B, H), d_output (N, H), d_h_n, d_c_n (B, H)
 // outs: d_x_gates (N, 4H), d_h0, d_c0 (B, H)
 void lstm_backward(std::vector<mx::array>& ins, std::vector<mx::array>& outs, const Loop& loop) {
 #if defined(__AVX2__) && defined(__FMA__)
@@ -1078,7 +1088,7 @@ void lstm_backward(std::vector<mx::array>& ins, std::vector<mx::array>& outs, co
   copy_rows(d_h, ins[5].data<float>(), batch, hidden);
   copy_rows(d_c, ins[6].data<float>(), batch, hidden);
   for (auto step = loop.steps.rbegin(); step != loop.steps.rend(); ++step) {
-    lstm_gate_backward(ins, outs, *step, d_h, d_c, 0, hidden, 0, step->rows);
+    lstm_gate_backward(ins, outs, *step, earlier_step(loop, *step), d_h, d_c, 0, hidden, 0, step->rows);
     // d_h[:rows] = d_gates (rows, 4H) @ w_hh (4H, H)
     cblas_sgemm(kRowMajor, kNoTrans, kNoTrans, step->rows, hidden, gates, 1.0f, row_of(outs[0], step->first),
                 gates, ins[0].data<float>(), hidden, 0.0f, d_h, hidden);
@@ -1267,7 +1277,7 @@ void add_bias_gradient(std::vector<mx::array>& by_input, const mx::array& d_x_ga
 }
 
 // primals: x_gates, w_hh, h0, c0 [, bias], or with kInputSide x, w_hh, h0, c0, w_ih [, bias];
-// outputs: output, h_n, c_n, activations, tanh_c, c_prev, h_prev
+// outputs: output, h_n, c_n, activations, c, h_prev
 std::vector<mx::array> lstm_vjp(const Loop& loop, const std::vector<mx::array>& primals,
                                 const std::vector<mx::array>& cotangents, const std::vector<int>& argnums,
                                 const std::vector<mx::array>& outputs) {
@@ -1276,11 +1286,11 @@ std::vector<mx::array> lstm_vjp(const Loop& loop, const std::vector<mx::array>& 
   const auto s = seqlib_cpu::cpu_stream();
   const int n = primals[0].shape(0), b = primals[2].shape(0), h = primals[2].shape(1);
   auto d = run_loop("LSTMSequenceBackward", lstm_backward, {{n, 4 * h}, {b, h}, {b, h}},
-                    {&primals[1], &outputs[3], &outputs[4], &outputs[5], &cotangents[0], &cotangents[1],
+                    {&primals[1], &outputs[3], &outputs[4], &primals[3], &cotangents[0], &cotangents[1],
                      &cotangents[2]},
                     Loop{loop.steps, 0});
   const mx::array& d_x_gates = d[0];
-  std::vector<mx::array> by_input = {d_x_gates, mx::matmul(mx::transpose(d_x_gates, s), outputs[6], s), d[1], d[2]};
+  std::vector<mx::array> by_input = {d_x_gates, mx::matmul(mx::transpose(d_x_gates, s), outputs[5], s), d[1], d[2]};
   if (input_side) {  // x_gates = x w_ih^T: d_x = d_x_gates w_ih, d_w_ih = d_x_gates^T x
     by_input[0] = mx::matmul(d_x_gates, primals[4], s);
     by_input.push_back(mx::matmul(mx::transpose(d_x_gates, s), primals[0], s));
@@ -1338,11 +1348,13 @@ std::pair<int, int> lstm_state_shape(const char* op, const mx::array& w_hh, cons
   return {b, h};
 }
 
-// The shapes of an LSTM forward's outputs: output (N, H), h_n, c_n (B, H) [, activations (N, 4H), tanh_c,
-// c_prev, h_prev (N, H): what its backward reads, where saved].
+// The shapes of an LSTM forward's outputs: output (N, H), h_n, c_n (B, H) [, activations (N, 4H), c, h_prev
+// (N, H): what its backward reads, where saved].  It saves each step's c and computes tanh(c) again in the
+// backward, rather than saving tanh(c) and the c before the step (which the backward reads from the earlier
+// step's c): 6H floats a row instead of 7H.
 std::vector<mx::Shape> lstm_output_shapes(int n, int b, int h, bool save) {
   std::vector<mx::Shape> shapes = {{n, h}, {b, h}, {b, h}};
-  if (save) shapes.insert(shapes.end(), {{n, 4 * h}, {n, h}, {n, h}, {n, h}});
+  if (save) shapes.insert(shapes.end(), {{n, 4 * h}, {n, h}, {n, h}});
   return shapes;
 }
 
@@ -1382,21 +1394,21 @@ std::vector<mx::array> lstm_input_sequence(const mx::array& x, const mx::array& 
 }
 
 std::vector<mx::array> lstm_sequence_backward(const mx::array& w_hh, const mx::array& activations,
-                                              const mx::array& tanh_c, const mx::array& c_prev,
+                                              const mx::array& c, const mx::array& c0,
                                               const mx::array& d_output, const mx::array& d_h_n,
                                               const mx::array& d_c_n, std::vector<int> batch_sizes, bool reverse) {
   const char* op = "lstm_sequence_backward";
   const auto [b_, h_] = state_shape(op, "d_c_n", d_c_n);
   const int n_ = activations.ndim() == 2 ? activations.shape(0) : 0;
   check_array(op, "d_h_n", d_h_n, {b_, h_});
+  check_array(op, "c0", c0, {b_, h_});
   check_array(op, "w_hh", w_hh, {4 * h_, h_});
   check_array(op, "activations", activations, {n_, 4 * h_});
-  for (const auto* array : {&tanh_c, &c_prev, &d_output}) check_array(op, "tanh_c, c_prev and d_output", *array, {n_, h_});
+  for (const auto* array : {&c, &d_output}) check_array(op, "c and d_output", *array, {n_, h_});
   check_steps(op, batch_sizes, b_, n_);
   const int n = activations.shape(0), b = d_h_n.shape(0), h = d_h_n.shape(1);
   return sequence("LSTMSequenceBackward", lstm_backward, {{n, 4 * h}, {b, h}, {b, h}},
-                  {&w_hh, &activations, &tanh_c, &c_prev, &d_output, &d_h_n, &d_c_n}, batch_sizes,
-                  reverse, 0);
+                  {&w_hh, &activations, &c, &c0, &d_output, &d_h_n, &d_c_n}, batch_sizes, reverse, 0);
 }
 
 std::vector<mx::array> gru_sequence(const mx::array& x_gates, const mx::array& w_hh, const mx::array& b_hh,
@@ -2103,7 +2115,7 @@ void seqlib_cpu::register_recurrent(nb::module_& m) {
         "save"_a, "bias"_a = nb::none());
   m.def("lstm_input_sequence", &lstm_input_sequence, "x"_a, "w_ih"_a, "w_hh"_a, "h0"_a, "c0"_a, "batch_sizes"_a,
         "reverse"_a, "save"_a, "bias"_a = nb::none());
-  m.def("lstm_sequence_backward", &lstm_sequence_backward, "w_hh"_a, "activations"_a, "tanh_c"_a, "c_prev"_a,
+  m.def("lstm_sequence_backward", &lstm_sequence_backward, "w_hh"_a, "activations"_a, "c"_a, "c0"_a,
         "d_output"_a, "d_h_n"_a, "d_c_n"_a, "batch_sizes"_a, "reverse"_a);
   m.def("gru_sequence", &gru_sequence, "x_gates"_a, "w_hh"_a, "b_hh"_a, "h0"_a, "batch_sizes"_a, "reverse"_a,
         "save"_a, "bias"_a = nb::none());
