@@ -88,7 +88,7 @@ def _self_check(module) -> None:
     keys = mx.random.split(mx.random.key(0), 4)
     x_gates, w_hh = mx.random.normal((6, 8), key=keys[0]), mx.random.normal((8, 2), key=keys[1]) * 0.5
     h0, c0 = mx.random.normal((3, 2), key=keys[2]), mx.random.normal((3, 2), key=keys[3])
-    output, h_n, c_n, activations, c_saved, _ = module.lstm_sequence(x_gates, w_hh, h0, c0, [3, 2, 1], False, True)
+    output, h_n, c_n, activations, c_saved = module.lstm_sequence(x_gates, w_hh, h0, c0, [3, 2, 1], False, True)
     h, c, rows = h0, c0, 0
     for size in (3, 2, 1):
         want_h, want_c, _, _ = lstm_pointwise(x_gates[rows:rows + size] + h[:size] @ w_hh.T, c[:size], compiled=False)
