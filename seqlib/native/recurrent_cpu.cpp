@@ -350,21 +350,25 @@ void lstm_gate_backward(const std::vector<mx::array>& ins, std::vector<mx::array
 // The GRU's backward through one step's gate math, for units [first, end) of rows [first_row, end_row) (those
 // of the step's rows that fall there): the gradients of
 // its input and hidden sides (outs[0], outs[1]) from d_h, which takes the direct path's part (the
-// recurrent product's is added after).  ins and outs as gru_backward's.
+// recurrent product's is added after).  The state before the step is the earlier step's output row, or h0's
+// where the row was not in it (as the LSTM's c: lstm_gate_backward).  ins and outs as gru_backward's; earlier:
+// earlier_step(loop, step).
 void gru_gate_backward(const std::vector<mx::array>& ins, std::vector<mx::array>& outs, const Step& step,
-                       float* d_h, int first, int end, int first_row, int end_row) {
-  const int hidden = ins[5].shape(1);
+                       const Step* earlier, float* d_h, int first, int end, int first_row, int end_row) {
+  const int hidden = ins[6].shape(1);
   for (int r = first_row; r < std::min(end_row, step.rows); ++r) {
     const int row = step.first + r;
-    const float *a = row_of(ins[1], row), *hs = row_of(ins[2], row), *h_prev = row_of(ins[3], row);
-    const float* d_output = row_of(ins[4], row);
+    const float *a = row_of(ins[1], row), *hs_n = row_of(ins[2], row);
+    const float* h_prev = earlier != nullptr && r < earlier->rows ? row_of(ins[3], earlier->first + r)
+                                                                  : row_of(ins[4], r);
+    const float* d_output = row_of(ins[5], row);
     float* d_input = row_of(outs[0], row);
     float* d_hidden = row_of(outs[1], row);
     float* d_h_row = d_h + static_cast<size_t>(r) * hidden;
     for_units(first, end, [&](int j, Lanes at) {
       const auto reset = at(a + j);
       std::remove_const_t<decltype(reset)> d_r, d_z, d_n, d_direct;
-      gru_unit_backward(reset, at(a + hidden + j), at(a + 2 * hidden + j), at(hs + 2 * hidden + j), at(h_prev + j),
+      gru_unit_backward(reset, at(a + hidden + j), at(a + 2 * hidden + j), at(hs_n + j), at(h_prev + j),
                         at(d_output + j) + at(d_h_row + j), d_r, d_z, d_n, d_direct);
       at.put(d_input + j, d_r), at.put(d_hidden + j, d_r);
       at.put(d_input + hidden + j, d_z), at.put(d_hidden + hidden + j, d_z);
@@ -887,10 +891,11 @@ void lstm_forward_packed(std::vector<mx::array>& ins, std::vector<mx::array>& ou
 
 // The GRU's gate math for `units` (<= kUnits) units of one row: acc holds their products with w_hh (r, z,
 // n: kUnits each), b_hh and x (r at 0, z at H, n at 2H) their biases and input sides; h_prev is the state
-// before the step.  h and out get the new h; where asked act (r, z, n) and hidden_side (acc + b_hh).
+// before the step.  h and out get the new h; where asked act (r, z, n) and hidden_n (the hidden side's n
+// part: W_hn h + b_hn, which the backward reads).
 inline void gru_gate_math(int units, int hidden, const float* x, const float* bias, const float* b_hh,
                           const float* acc, const float* h_prev, float* h, float* out, float* act,
-                          float* hidden_side) {
+                          float* hidden_n) {
   using simd::store;
   const auto side = [&](int gate) { return simd::load(acc + gate * kUnits) + simd::load(b_hh + gate * hidden, units); };
   const Vec hs_r = side(0), hs_z = side(1), hs_n = side(2);
@@ -902,8 +907,7 @@ inline void gru_gate_math(int units, int hidden, const float* x, const float* bi
   store(out, h_new, units);
   if (act != nullptr) {
     store(act, reset, units), store(act + hidden, update, units), store(act + 2 * hidden, n, units);
-    store(hidden_side, hs_r, units), store(hidden_side + hidden, hs_z, units);
-    store(hidden_side + 2 * hidden, hs_n, units);
+    store(hidden_n, hs_n, units);
   }
 }
 
@@ -913,11 +917,7 @@ void gru_forward_packed(std::vector<mx::array>& ins, std::vector<mx::array>& out
   const int batch = ins[3].shape(0), hidden = ins[3].shape(1);
   const float *b_hh = ins[2].data<float>(), *bias = bias_input(ins, 4);
   std::vector<float> h(ins[3].data<float>(), ins[3].data<float>() + static_cast<size_t>(batch) * hidden), h_next(h);
-  auto before = [&](const Step& step, int first, int end, int first_row, int end_row, const float* current) {
-    if (!save) return;
-    copy_columns(row_of(outs[4], step.first + first_row), current + static_cast<size_t>(first_row) * hidden,
-                 end_row - first_row, hidden, first, end);
-  };
+  auto before = [](const Step&, int, int, int, int, const float*) {};  // nothing to save of the state
   auto gate_math = [&](const Step& step, int r, int unit, int units, const float* acc, const float*,
                        const float* current, float* next) {
     const size_t row = static_cast<size_t>(step.first) + r, at = static_cast<size_t>(r) * hidden + unit;
@@ -989,12 +989,13 @@ void lstm_backward_packed(std::vector<mx::array>& ins, std::vector<mx::array>& o
 }
 
 void gru_backward_packed(std::vector<mx::array>& ins, std::vector<mx::array>& outs, const Loop& loop) {
-  const int batch = ins[5].shape(0), hidden = ins[5].shape(1);
+  const int batch = ins[6].shape(0), hidden = ins[6].shape(1);
   float* d_h = outs[2].data<float>();
-  copy_rows(d_h, ins[5].data<float>(), batch, hidden);
+  copy_rows(d_h, ins[6].data<float>(), batch, hidden);
   packed_backward_steps(loop, batch, hidden, ins[0].data<float>(), outs[1], d_h,
                         true, [&](const Step& step, int first, int end, int first_row, int end_row) {
-                          gru_gate_backward(ins, outs, step, d_h, first, end, first_row, end_row);
+                          gru_gate_backward(ins, outs, step, earlier_step(loop, step), d_h, first, end, first_row,
+                                            end_row);
                         });
 }
 
@@ -1093,7 +1094,8 @@ void lstm_backward(std::vector<mx::array>& ins, std::vector<mx::array>& outs, co
 // ----------------------------------------------------------------- GRU (torch's: n = tanh(x_n + r (W_hn h + b_hn)))
 
 // ins: x_gates (N, 3H) = x W_ih^T (+ b_ih), w_hh (3H, H), b_hh (3H,), h0 (B, H) [, bias (3H,): b_ih]
-// outs: output (N, H), h_n (B, H) [, activations r, z, n (N, 3H), hidden_side (N, 3H), h_prev (N, H)]
+// outs: output (N, H), h_n (B, H) [, activations r, z, n (N, 3H), hidden_n (N, H): the hidden side's n part,
+//   W_hn h + b_hn; the backward reads the state before each step from the output]
 void gru_forward(std::vector<mx::array>& ins, std::vector<mx::array>& outs, const Loop& loop) {
 #if defined(__AVX2__) && defined(__FMA__)
   if (runs_packed(loop, ins[3].shape(0), ins[3].shape(1), 3)) return gru_forward_packed(ins, outs, loop);
@@ -1108,7 +1110,6 @@ void gru_forward(std::vector<mx::array>& ins, std::vector<mx::array>& outs, cons
   std::vector<float> hidden_side(static_cast<size_t>(batch) * gates);
   for (const Step& step : steps) {
     for (int r = 0; r < step.rows; ++r) copy_rows(hidden_side.data() + static_cast<size_t>(r) * gates, b_hh, 1, gates);
-    if (save) copy_rows(row_of(outs[4], step.first), h, step.rows, hidden);
     // hidden_side (rows, 3H) = b_hh + h[:rows] @ w_hh^T
     cblas_sgemm(kRowMajor, kNoTrans, kTrans, step.rows, gates, hidden, 1.0f, h, hidden,
                       ins[1].data<float>(), hidden, 1.0f, hidden_side.data(), gates);
@@ -1116,22 +1117,23 @@ void gru_forward(std::vector<mx::array>& ins, std::vector<mx::array>& outs, cons
       const float* hs = hidden_side.data() + static_cast<size_t>(r) * gates;
       gru_row(hidden, row_of(ins[0], step.first + r), bias, hs, h + static_cast<size_t>(r) * hidden,
               row_of(outs[0], step.first + r), save ? row_of(outs[2], step.first + r) : nullptr);
-      if (save) copy_rows(row_of(outs[3], step.first + r), hs, 1, gates);
+      if (save) copy_rows(row_of(outs[3], step.first + r), hs + 2 * hidden, 1, hidden);  // its n part
     }
   }
 }
 
-// ins: w_hh (3H, H), activations (N, 3H), hidden_side (N, 3H), h_prev (N, H), d_output (N, H), d_h_n (B, H)
+// ins: w_hh (3H, H), activations (N, 3H), hidden_n (N, H), output (N, H), h0 (B, H), d_output (N, H),
+//   d_h_n (B, H)
 // outs: d_input_side (N, 3H) (= d_x_gates), d_hidden_side (N, 3H), d_h0 (B, H)
 void gru_backward(std::vector<mx::array>& ins, std::vector<mx::array>& outs, const Loop& loop) {
 #if defined(__AVX2__) && defined(__FMA__)
   if (runs_packed_backward(loop)) return gru_backward_packed(ins, outs, loop);
 #endif
-  const int batch = ins[5].shape(0), hidden = ins[5].shape(1), gates = 3 * hidden;
+  const int batch = ins[6].shape(0), hidden = ins[6].shape(1), gates = 3 * hidden;
   float* d_h = outs[2].data<float>();
-  copy_rows(d_h, ins[5].data<float>(), batch, hidden);
+  copy_rows(d_h, ins[6].data<float>(), batch, hidden);
   for (auto step = loop.steps.rbegin(); step != loop.steps.rend(); ++step) {
-    gru_gate_backward(ins, outs, *step, d_h, 0, hidden, 0, step->rows);
+    gru_gate_backward(ins, outs, *step, earlier_step(loop, *step), d_h, 0, hidden, 0, step->rows);
     // d_h[:rows] += d_hidden_side (rows, 3H) @ w_hh (3H, H)
     cblas_sgemm(kRowMajor, kNoTrans, kNoTrans, step->rows, hidden, gates, 1.0f, row_of(outs[1], step->first),
                 gates, ins[0].data<float>(), hidden, 1.0f, d_h, hidden);
@@ -1141,11 +1143,10 @@ void gru_backward(std::vector<mx::array>& ins, std::vector<mx::array>& outs, con
 // ----------------------------------------------------------------- Elman RNN
 
 // ins: x_gates (N, H) = x W_ih^T (+ b_ih + b_hh), w_hh (H, H), h0 (B, H) [, bias (H,) added to every row]
-// outs: output (N, H), h_n (B, H) [, h_prev (N, H)]
+// outs: output (N, H), h_n (B, H)
 void rnn_forward(std::vector<mx::array>& ins, std::vector<mx::array>& outs, const Loop& loop) {
   const auto& steps = loop.steps;
-  const int option = loop.option;
-  const bool save = option & kSave, relu = option & kRelu;
+  const bool relu = loop.option & kRelu;
   const int batch = ins[2].shape(0), hidden = ins[2].shape(1);
   const float* bias = bias_input(ins, 3);
   float* h = outs[1].data<float>();
@@ -1153,7 +1154,6 @@ void rnn_forward(std::vector<mx::array>& ins, std::vector<mx::array>& outs, cons
   std::vector<float> pre(static_cast<size_t>(batch) * hidden);
   for (const Step& step : steps) {
     biased_rows(pre.data(), row_of(ins[0], step.first), bias, step.rows, hidden);
-    if (save) copy_rows(row_of(outs[2], step.first), h, step.rows, hidden);
     cblas_sgemm(kRowMajor, kNoTrans, kTrans, step.rows, hidden, hidden, 1.0f, h, hidden,
                       ins[1].data<float>(), hidden, 1.0f, pre.data(), hidden);
     rnn_rows(static_cast<size_t>(step.rows) * hidden, relu, pre.data(), h, row_of(outs[0], step.first));
@@ -1248,7 +1248,8 @@ std::vector<mx::array> sequence(const char* name, seqlib_cpu::CpuLoop<Loop>::Run
 // ----------------------------------------------------------------- the forwards' vector-Jacobian products
 //
 // Each forward that saved its activations (save) differentiates itself: the backward loop over the
-// same steps, then every step's weight gradient in one matmul (d_gates^T h_prev), as MLX operations.
+// same steps, then every step's weight gradient in one product with the states the steps started from
+// (previous_states_product), as MLX operations.
 // The cotangents of the saved arrays are ignored (they are seqlib's own, never read downstream).
 
 void require_saved(const Loop& loop, const char* op) {
@@ -1332,7 +1333,7 @@ std::vector<mx::array> lstm_vjp(const Loop& loop, const std::vector<mx::array>& 
   return pick(argnums, by_input);
 }
 
-// primals: x_gates, w_hh, b_hh, h0 [, bias]; outputs: output, h_n, activations, hidden_side, h_prev
+// primals: x_gates, w_hh, b_hh, h0 [, bias]; outputs: output, h_n, activations, hidden_n
 std::vector<mx::array> gru_vjp(const Loop& loop, const std::vector<mx::array>& primals,
                                const std::vector<mx::array>& cotangents, const std::vector<int>& argnums,
                                const std::vector<mx::array>& outputs) {
@@ -1340,15 +1341,16 @@ std::vector<mx::array> gru_vjp(const Loop& loop, const std::vector<mx::array>& p
   const auto s = seqlib_cpu::cpu_stream();
   const int n = primals[0].shape(0), b = primals[3].shape(0), h = primals[3].shape(1);
   auto d = run_loop("GRUSequenceBackward", gru_backward, {{n, 3 * h}, {n, 3 * h}, {b, h}},
-                    {&primals[1], &outputs[2], &outputs[3], &outputs[4], &cotangents[0], &cotangents[1]},
+                    {&primals[1], &outputs[2], &outputs[3], &outputs[0], &primals[3], &cotangents[0],
+                     &cotangents[1]},
                     Loop{loop.steps, 0});
-  std::vector<mx::array> by_input = {d[0], mx::matmul(mx::transpose(d[1], s), outputs[4], s),
+  std::vector<mx::array> by_input = {d[0], previous_states_product(loop, d[1], outputs[0], primals[3]),
                                      mx::sum(d[1], 0, false, s), d[2]};
   add_bias_gradient(by_input, d[0], primals, 4);
   return pick(argnums, by_input);
 }
 
-// primals: x_gates, w_hh, h0 [, bias]; outputs: output, h_n, h_prev
+// primals: x_gates, w_hh, h0 [, bias]; outputs: output, h_n
 std::vector<mx::array> rnn_vjp(const Loop& loop, const std::vector<mx::array>& primals,
                                const std::vector<mx::array>& cotangents, const std::vector<int>& argnums,
                                const std::vector<mx::array>& outputs) {
@@ -1357,7 +1359,7 @@ std::vector<mx::array> rnn_vjp(const Loop& loop, const std::vector<mx::array>& p
   const int n = primals[0].shape(0), b = primals[2].shape(0), h = primals[2].shape(1);
   auto d = run_loop("RNNSequenceBackward", rnn_backward, {{n, h}, {b, h}},
                     {&primals[1], &outputs[0], &cotangents[0], &cotangents[1]}, Loop{loop.steps, loop.option & kRelu});
-  std::vector<mx::array> by_input = {d[0], mx::matmul(mx::transpose(d[0], s), outputs[2], s), d[1]};
+  std::vector<mx::array> by_input = {d[0], previous_states_product(loop, d[0], outputs[0], primals[2]), d[1]};
   add_bias_gradient(by_input, d[0], primals, 3);
   return pick(argnums, by_input);
 }
@@ -1459,14 +1461,18 @@ std::vector<mx::array> gru_sequence(const mx::array& x_gates, const mx::array& w
   check_array(op, "x_gates", x_gates, {x_gates.ndim() == 2 ? x_gates.shape(0) : 0, 3 * h_});
   check_steps(op, batch_sizes, b_, x_gates.shape(0));
   const int n = x_gates.shape(0), b = h0.shape(0), h = h0.shape(1);
+  // saved: activations (N, 3H), hidden_n (N, H); 4H floats a row where the whole hidden side and h before each
+  // step made 7H.  One layer's forward+backward on 2 cores (Sapphire Rapids, three alternated processes,
+  // medians of 15 back to back), 7H -> 4H: (T, B, D, H) = (32, 64, 32, 128) 10.4-10.6 -> 9.0-9.5 ms;
+  // (200, 64, 128, 128) 76-78 -> 70-72; (100, 32, 256, 512) 138-144 -> 132-136; (35, 20, 650, 650) alike.
   std::vector<mx::Shape> shapes = {{n, h}, {b, h}};
-  if (save) shapes.insert(shapes.end(), {{n, 3 * h}, {n, 3 * h}, {n, h}});
+  if (save) shapes.insert(shapes.end(), {{n, 3 * h}, {n, h}});
   return sequence("GRUSequence", gru_forward, shapes, with_bias(op, {&x_gates, &w_hh, &b_hh, &h0}, bias, 3 * h),
                   batch_sizes, reverse, save ? kSave : 0, gru_vjp);
 }
 
 std::vector<mx::array> gru_sequence_backward(const mx::array& w_hh, const mx::array& activations,
-                                             const mx::array& hidden_side, const mx::array& h_prev,
+                                             const mx::array& hidden_n, const mx::array& output, const mx::array& h0,
                                              const mx::array& d_output, const mx::array& d_h_n,
                                              std::vector<int> batch_sizes, bool reverse) {
   const char* op = "gru_sequence_backward";
@@ -1474,13 +1480,14 @@ std::vector<mx::array> gru_sequence_backward(const mx::array& w_hh, const mx::ar
   const int n_ = activations.ndim() == 2 ? activations.shape(0) : 0;
   check_array(op, "w_hh", w_hh, {3 * h_, h_});
   check_array(op, "activations", activations, {n_, 3 * h_});
-  check_array(op, "hidden_side", hidden_side, {n_, 3 * h_});
-  check_array(op, "h_prev", h_prev, {n_, h_});
-  check_array(op, "d_output", d_output, {n_, h_});
+  check_array(op, "h0", h0, {b_, h_});
+  for (const auto* array : {&hidden_n, &output, &d_output}) {
+    check_array(op, "hidden_n, output and d_output", *array, {n_, h_});
+  }
   check_steps(op, batch_sizes, b_, n_);
   const int n = activations.shape(0), b = d_h_n.shape(0), h = d_h_n.shape(1);
   return sequence("GRUSequenceBackward", gru_backward, {{n, 3 * h}, {n, 3 * h}, {b, h}},
-                  {&w_hh, &activations, &hidden_side, &h_prev, &d_output, &d_h_n}, batch_sizes, reverse, 0);
+                  {&w_hh, &activations, &hidden_n, &output, &h0, &d_output, &d_h_n}, batch_sizes, reverse, 0);
 }
 
 std::vector<mx::array> rnn_sequence(const mx::array& x_gates, const mx::array& w_hh, const mx::array& h0,
@@ -1492,8 +1499,8 @@ std::vector<mx::array> rnn_sequence(const mx::array& x_gates, const mx::array& w
   check_array(op, "x_gates", x_gates, {x_gates.ndim() == 2 ? x_gates.shape(0) : 0, h_});
   check_steps(op, batch_sizes, b_, x_gates.shape(0));
   const int n = x_gates.shape(0), b = h0.shape(0), h = h0.shape(1);
-  std::vector<mx::Shape> shapes = {{n, h}, {b, h}};
-  if (save) shapes.push_back({n, h});
+  // the backward reads the output alone: saving changes no output (but allows the vjp)
+  const std::vector<mx::Shape> shapes = {{n, h}, {b, h}};
   return sequence("RNNSequence", rnn_forward, shapes, with_bias(op, {&x_gates, &w_hh, &h0}, bias, h), batch_sizes,
                   reverse, (save ? kSave : 0) | (relu ? kRelu : 0), rnn_vjp);
 }
@@ -2157,7 +2164,7 @@ void seqlib_cpu::register_recurrent(nb::module_& m) {
         "d_output"_a, "d_h_n"_a, "d_c_n"_a, "batch_sizes"_a, "reverse"_a);
   m.def("gru_sequence", &gru_sequence, "x_gates"_a, "w_hh"_a, "b_hh"_a, "h0"_a, "batch_sizes"_a, "reverse"_a,
         "save"_a, "bias"_a = nb::none());
-  m.def("gru_sequence_backward", &gru_sequence_backward, "w_hh"_a, "activations"_a, "hidden_side"_a, "h_prev"_a,
+  m.def("gru_sequence_backward", &gru_sequence_backward, "w_hh"_a, "activations"_a, "hidden_n"_a, "output"_a, "h0"_a,
         "d_output"_a, "d_h_n"_a, "batch_sizes"_a, "reverse"_a);
   m.def("rnn_sequence", &rnn_sequence, "x_gates"_a, "w_hh"_a, "h0"_a, "batch_sizes"_a, "reverse"_a, "relu"_a,
         "save"_a, "bias"_a = nb::none());
