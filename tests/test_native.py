@@ -98,18 +98,6 @@ def test_long_sequences_of_many_rows_equal_the_ops_path(hidden_size, reverse):
     check_lstm_against_the_ops_path(lengths, hidden_size, reverse, seed=hidden_size)
 
 
-def c_after_each_step(batch_sizes, reverse, c_prev, c_n):
-    """Each row's c after its step (N, H), from the c before each step (N, H) and c_n (B, H): the next step's
-    c before it where the row goes on, else the row's final c."""
-    steps = scan._steps(tuple(batch_sizes), reverse)  # (t, first, rows) in computing order
-    after = {}  # packed row -> its c after its step
-    for s, (_, first, count) in enumerate(steps):
-        later = steps[s + 1] if s + 1 < len(steps) else None
-        for r in range(count):
-            after[first + r] = c_prev[later[1] + r] if later is not None and r < later[2] else c_n[r]
-    return mx.stack([after[row] for row in range(len(after))])
-
-
 def check_lstm_against_the_ops_path(lengths, hidden_size, reverse, seed):
     batch_sizes = packed_batch_sizes(lengths)
     rows, batch = sum(batch_sizes), batch_sizes[0]
@@ -123,15 +111,12 @@ def check_lstm_against_the_ops_path(lengths, hidden_size, reverse, seed):
     extension = native.extension()
     outputs = extension.lstm_sequence(*arguments, batch_sizes, reverse, True)
     inference = extension.lstm_sequence(*arguments, batch_sizes, reverse, False)
-    assert len(outputs) == 5 and len(inference) == 3
-    # the primitive saves each step's c; the ops path tanh of it, the c and the h before each step
-    activations, c = outputs[3:]
-    want_activations, _, want_c_prev, _ = want_outputs[3:]
-    for ours, theirs in zip([*outputs[:3], activations, *inference],
-                            [*want_outputs[:3], want_activations, *want_outputs[:3]], strict=True):
+    assert len(outputs) == 4 and len(inference) == 3
+    # what the primitive saves for its backward (the activations and each step's c, in blocks of units: 5H floats
+    # a row and at most a vector's more) is checked by the gradients below, which read it
+    assert outputs[3].shape[0] == rows and 5 * hidden_size <= outputs[3].shape[1] < 5 * (hidden_size + 16)
+    for ours, theirs in zip([*outputs[:3], *inference], [*want_outputs[:3], *want_outputs[:3]], strict=True):
         assert_close_at_scale(ours, theirs, output_tolerance(hidden_size))
-    assert_close_at_scale(c, c_after_each_step(batch_sizes, reverse, want_c_prev, want_outputs[2]),
-                          output_tolerance(hidden_size))  # fmt: skip
     _, grads = mx.vjp(lambda *a: extension.lstm_sequence(*a, batch_sizes, reverse, True)[:3], arguments,
                       cotangents)  # fmt: skip  (the primitive's own vjp)
     for ours, theirs, name in zip(grads, want_grads, ["x_gates", "w_hh", "h0", "c0"], strict=True):

@@ -83,12 +83,13 @@ def _self_check(module) -> None:
     """One small forward and backward against the MLX-ops path; a ValueError if they disagree."""
     import mlx.core as mx
 
-    from seqlib.pointwise import lstm_pointwise, lstm_pointwise_backward
+    from seqlib import scan
+    from seqlib.pointwise import lstm_pointwise
 
     keys = mx.random.split(mx.random.key(0), 4)
     x_gates, w_hh = mx.random.normal((6, 8), key=keys[0]), mx.random.normal((8, 2), key=keys[1]) * 0.5
     h0, c0 = mx.random.normal((3, 2), key=keys[2]), mx.random.normal((3, 2), key=keys[3])
-    output, h_n, c_n, activations, c_saved = module.lstm_sequence(x_gates, w_hh, h0, c0, [3, 2, 1], False, True)
+    output = module.lstm_sequence(x_gates, w_hh, h0, c0, [3, 2, 1], False, False)[0]
     h, c, rows = h0, c0, 0
     for size in (3, 2, 1):
         want_h, want_c, _, _ = lstm_pointwise(x_gates[rows:rows + size] + h[:size] @ w_hh.T, c[:size], compiled=False)
@@ -98,14 +99,13 @@ def _self_check(module) -> None:
         h = mx.concatenate([want_h, h[size:]])
         c = mx.concatenate([want_c, c[size:]])
         rows += size
-    d_output = mx.ones_like(output)
-    d_x_gates, _, _ = module.lstm_sequence_backward(
-        w_hh, activations, c_saved, c0, d_output, mx.zeros_like(h_n), mx.zeros_like(c_n), [3, 2, 1], False
-    )
-    # the last step (row 5): its c is c_saved[5], the c before it the second step's first row, c_saved[3]
-    want, _ = lstm_pointwise_backward(d_output[5:], mx.zeros((1, 2)), activations[5:], mx.tanh(c_saved[5:]),
-                                      c_saved[3:4])  # fmt: skip
-    error = float(mx.abs(d_x_gates[5:] - want).max())
+    # the gradients through the primitive's own backward (from what its forward saved) and the MLX-ops path's
+    cotangents = [mx.ones_like(output), mx.zeros_like(h0), mx.zeros_like(c0)]
+    gradients = []
+    for function in (lambda *a: module.lstm_sequence(*a, [3, 2, 1], False, True)[:3],
+                     scan._lstm_sequence_function((3, 2, 1), False, False, False)):  # fmt: skip
+        gradients.append(mx.vjp(lambda *a, f=function: f(*a)[:3], [x_gates, w_hh, h0, c0], cotangents)[1])
+    error = max(float(mx.abs(ours - want).max()) for ours, want in zip(*gradients, strict=True))
     if not error < 1e-5:
         raise ValueError(f"the backward differs from the MLX-ops path by {error:.1e}")
     table = mx.random.normal((5, 3), key=keys[0])  # bags [4, 0, 4], [], [2], averaged

@@ -281,17 +281,57 @@ inline void for_units(int first, int end, Body body) {
 #endif
 }
 
+// Where an LSTM forward saves what its backward reads (save): each row's activations i, f, g, o and its new c,
+// five slots of `units` floats for each block of units of the row.  A step's rows take consecutive rows of the
+// array, laid out block by block: block 0 of every row of the step in turn, then block 1, and so on.  The
+// packed loop's gate math runs a block at a time over the step's rows, so it writes one sequential stream
+// (a row's slots of a block are adjacent, the next row's follow); with the slots in rows of the usual layout
+// each block wrote five lines 2 KB apart per row (H = 128), and the saving forward took 1.7 ms more than the
+// inference one instead of 0.3-0.7 (2-core Sapphire Rapids, (T, B, H) = (32, 64, 128), D = 32 / 128: 2.79 /
+// 3.54 ms -> 2.16-2.25 / 2.77-2.95; inference 1.78-1.94 / 2.39-2.57).  One layer's forward+backward, three
+// alternated processes, medians of 15: (T, B, D, H) = (32, 64, 32, 128) 8.2-8.8 -> 7.4-7.7 ms, (200, 64, 128,
+// 128) 72-73 -> 64-66, (100, 32, 256, 512) 146-148 -> 140-142.  units: the build's vector (kLanes
+// floats) where it has AVX2, else the whole row (one block: the usual row layout); rows are padded to whole
+// blocks, the padding never written nor read.
+struct LstmSaved {
+  static constexpr int kSlots = 5;  // i, f, g, o, c
+  int units, blocks;
+  explicit LstmSaved(int hidden) : units(block_units(hidden)), blocks((hidden + units - 1) / units) {}
+  int row_floats() const { return kSlots * blocks * units; }  // the array's width
+  // The offset of slot `slot` (0-4) of unit j (the first of a vector: a block's own) of the step's row r.
+  size_t at(const Step& step, int r, int slot, int j) const {
+    const size_t block_row = static_cast<size_t>(j / units) * step.rows + r;
+    return static_cast<size_t>(step.first) * row_floats() + (block_row * kSlots + slot) * units + j % units;
+  }
+
+ private:
+  static int block_units(int hidden) {
+#if defined(__AVX2__) && defined(__FMA__)
+    (void)hidden;
+    return simd::kLanes;
+#else
+    return std::max(hidden, 1);
+#endif
+  }
+};
+
 // One row's LSTM gate math: a (4H) holds the row's pre-activations i, f, g, o and becomes their
-// activations; c_row advances in place; h_row and out_row get the new h, saved_c (where not nullptr) the
-// new c.
-inline void lstm_row(int hidden, float* a, float* c_row, float* h_row, float* out_row, float* saved_c) {
+// activations; c_row advances in place; h_row and out_row get the new h; where saved is not nullptr, the
+// activations and the new c go to its slots for row r of the step (LstmSaved).
+inline void lstm_row(int hidden, float* a, float* c_row, float* h_row, float* out_row, float* saved = nullptr,
+                     const Step* step = nullptr, int r = 0) {
+  const LstmSaved layout(hidden);
   for_units(0, hidden, [&](int j, Lanes at) {
     auto i = at(a + j), f = at(a + hidden + j), g = at(a + 2 * hidden + j), o = at(a + 3 * hidden + j);
     auto c = at(c_row + j);
     const auto tanh_c = lstm_unit(i, f, g, o, c), h = o * tanh_c;
     at.put(a + j, i), at.put(a + hidden + j, f), at.put(a + 2 * hidden + j, g), at.put(a + 3 * hidden + j, o);
     at.put(c_row + j, c), at.put(h_row + j, h), at.put(out_row + j, h);
-    if (saved_c != nullptr) at.put(saved_c + j, c);
+    if (saved != nullptr) {
+      float* slots = saved + layout.at(*step, r, 0, j);
+      at.put(slots, i), at.put(slots + layout.units, f), at.put(slots + 2 * layout.units, g);
+      at.put(slots + 3 * layout.units, o), at.put(slots + 4 * layout.units, c);
+    }
   });
 }
 
@@ -319,28 +359,32 @@ inline const Step* earlier_step(const Loop& loop, const Step& step) {
 // of the step's rows that fall there): d_gates (the
 // step's rows of outs[0]) from d_h (the gradient reaching h, rows of d_h0's buffer) and d_c, which moves
 // back a step in place.  tanh of the step's c is computed again (the forward's function on the same floats:
-// the same bits); the c before the step is the earlier step's saved row, or c0's where the row was not in
+// the same bits); the c before the step is the earlier step's saved c, or c0's row where the row was not in
 // that step (the first step; a sequence that joins later in the reverse direction).  ins and outs as
-// lstm_backward's; earlier: earlier_step(loop, step).
+// lstm_backward's; earlier: earlier_step(loop, step); first a multiple of the saved blocks' units.
 void lstm_gate_backward(const std::vector<mx::array>& ins, std::vector<mx::array>& outs, const Step& step,
                         const Step* earlier, const float* d_h, float* d_c, int first, int end, int first_row,
                         int end_row) {
-  const int hidden = ins[5].shape(1);
+  const int hidden = ins[4].shape(1);
+  const LstmSaved layout(hidden);
+  const float* saved = ins[1].data<float>();
   for (int r = first_row; r < std::min(end_row, step.rows); ++r) {
     const int row = step.first + r;
-    const float *a = row_of(ins[1], row), *c_row = row_of(ins[2], row);
-    const float* c_prev = earlier != nullptr && r < earlier->rows ? row_of(ins[2], earlier->first + r)
-                                                                  : row_of(ins[3], r);
-    const float* d_output = row_of(ins[4], row);
+    const bool continues = earlier != nullptr && r < earlier->rows;
+    const float* c0_row = row_of(ins[2], r);
+    const float* d_output = row_of(ins[3], row);
     float* d_a = row_of(outs[0], row);
     const float* d_h_row = d_h + static_cast<size_t>(r) * hidden;
     float* d_c_row = d_c + static_cast<size_t>(r) * hidden;
     for_units(first, end, [&](int j, Lanes at) {
+      const float* slots = saved + layout.at(step, r, 0, j);
+      const float* c_prev = continues ? saved + layout.at(*earlier, r, 4, j) : c0_row + j;
+      const int units = layout.units;
       auto d_c_j = at(d_c_row + j);
       decltype(d_c_j) d_i, d_f, d_g, d_o;
-      lstm_unit_backward(at(a + j), at(a + hidden + j), at(a + 2 * hidden + j), at(a + 3 * hidden + j),
-                         fast_tanh(at(c_row + j)), at(c_prev + j), at(d_output + j) + at(d_h_row + j), d_c_j, d_i, d_f,
-                         d_g, d_o);
+      lstm_unit_backward(at(slots), at(slots + units), at(slots + 2 * units), at(slots + 3 * units),
+                         fast_tanh(at(slots + 4 * units)), at(c_prev), at(d_output + j) + at(d_h_row + j), d_c_j, d_i,
+                         d_f, d_g, d_o);
       at.put(d_a + j, d_i), at.put(d_a + hidden + j, d_f), at.put(d_a + 2 * hidden + j, d_g);
       at.put(d_a + 3 * hidden + j, d_o), at.put(d_c_row + j, d_c_j);
     });
@@ -677,9 +721,10 @@ inline void rows_product(int rows, const float* a, int lda, int depth, const flo
 // (i, f, g, o: kUnits each), x their input sides (i at x[0], f at x[x_stride], ...: a row of x_gates, stride
 // H, or of a tile's input products, stride kUnits) and bias (i at bias[0], f at bias[H], ...; or nullptr)
 // what is added to them; c advances in place, h and out get the new h, and where asked act (i at 0, f at H,
-// ...) and saved_c (the new c) what the backward reads.
+// ...) and where saved is not nullptr, the activations and the new c into its five slots (LstmSaved: kUnits
+// floats apart).
 inline void lstm_gate_math(int units, int hidden, const float* x, int x_stride, const float* bias, const float* acc,
-                           float* c, float* h, float* out, float* act, float* saved_c) {
+                           float* c, float* h, float* out, float* saved) {
   using simd::store;
   const Lanes lanes{units};
   const auto at = [&](int gate) {
@@ -690,9 +735,9 @@ inline void lstm_gate_math(int units, int hidden, const float* x, int x_stride, 
   store(c, c_new, units);
   store(h, h_new, units);
   store(out, h_new, units);
-  if (act != nullptr) {
-    store(act, i, units), store(act + hidden, f, units), store(act + 2 * hidden, g, units);
-    store(act + 3 * hidden, o, units), store(saved_c, c_new, units);
+  if (saved != nullptr) {
+    store(saved, i, units), store(saved + kUnits, f, units), store(saved + 2 * kUnits, g, units);
+    store(saved + 3 * kUnits, o, units), store(saved + 4 * kUnits, c_new, units);
   }
 }
 
@@ -874,15 +919,15 @@ void lstm_forward_packed(std::vector<mx::array>& ins, std::vector<mx::array>& ou
   // (which may change between steps: the step's meeting orders its write before the next step's read)
   copy_rows(c, ins[3].data<float>(), batch, hidden);
   auto before = [](const Step&, int, int, int, int, const float*) {};  // nothing to save of the state
+  const LstmSaved layout(hidden);
+  float* saved = save ? outs[3].data<float>() : nullptr;
   auto gate_math = [&](const Step& step, int r, int unit, int units, const float* acc, const float* input_acc,
                        const float*, float* next) {
     // the input sides: the tile's (kInputSide; i at 0, f at kUnits, ...), or x_gates' (i at 0, f at H, ...)
     const float* x = input_acc != nullptr ? input_acc : row_of(ins[0], step.first + r) + unit;
     lstm_gate_math(units, hidden, x, input_acc != nullptr ? kUnits : hidden, bias != nullptr ? bias + unit : nullptr, acc,
                    c + static_cast<size_t>(r) * hidden + unit, next + static_cast<size_t>(r) * hidden + unit,
-                   row_of(outs[0], step.first + r) + unit,
-                   save ? row_of(outs[3], step.first + r) + unit : nullptr,
-                   save ? row_of(outs[4], step.first + r) + unit : nullptr);
+                   row_of(outs[0], step.first + r) + unit, save ? saved + layout.at(step, r, 0, unit) : nullptr);
   };
   packed_steps(loop, batch, hidden, 4, ins[1].data<float>(), ins[0], h.data(), h_next.data(), before, gate_math,
                input);
@@ -976,11 +1021,11 @@ void packed_backward_steps(const Loop& loop, int batch, int hidden, const float*
 }
 
 void lstm_backward_packed(std::vector<mx::array>& ins, std::vector<mx::array>& outs, const Loop& loop) {
-  const int batch = ins[5].shape(0), hidden = ins[5].shape(1);
+  const int batch = ins[4].shape(0), hidden = ins[4].shape(1);
   float* d_h = outs[1].data<float>();  // the gradients flow back in place in d_h0 and d_c0
   float* d_c = outs[2].data<float>();
-  copy_rows(d_h, ins[5].data<float>(), batch, hidden);
-  copy_rows(d_c, ins[6].data<float>(), batch, hidden);
+  copy_rows(d_h, ins[4].data<float>(), batch, hidden);
+  copy_rows(d_c, ins[5].data<float>(), batch, hidden);
   packed_backward_steps(loop, batch, hidden, ins[0].data<float>(), outs[0], d_h,
                         false, [&](const Step& step, int first, int end, int first_row, int end_row) {
                           lstm_gate_backward(ins, outs, step, earlier_step(loop, step), d_h, d_c, first, end,
@@ -1040,8 +1085,8 @@ bool computes_input_side(const Loop& loop, int batch, int depth, int hidden) {
 
 // ins: x_gates (N, 4H), w_hh (4H, H), h0, c0 (B, H) [, bias (4H,) added to every row of x_gates]
 //   or with kInputSide: x (N, D), w_hh, h0, c0, w_ih (4H, D) [, bias]
-// outs: output (N, H), h_n, c_n (B, H) [, activations (N, 4H), c (N, H): each step's activations and new c,
-//   what the backward reads]
+// outs: output (N, H), h_n, c_n (B, H) [, saved (N, LstmSaved(H).row_floats()): each step's activations and
+//   new c, what the backward reads]
 void lstm_forward(std::vector<mx::array>& ins, std::vector<mx::array>& outs, const Loop& loop) {
 #if defined(__AVX2__) && defined(__FMA__)
   if ((loop.option & kInputSide) || runs_packed(loop, ins[2].shape(0), ins[2].shape(1), 4)) {
@@ -1066,23 +1111,22 @@ void lstm_forward(std::vector<mx::array>& ins, std::vector<mx::array>& outs, con
     for (int r = 0; r < step.rows; ++r) {
       float* a = pre.data() + static_cast<size_t>(r) * gates;  // becomes the activations
       lstm_row(hidden, a, c + static_cast<size_t>(r) * hidden, h + static_cast<size_t>(r) * hidden,
-               row_of(outs[0], step.first + r), save ? row_of(outs[4], step.first + r) : nullptr);
-      if (save) copy_rows(row_of(outs[3], step.first + r), a, 1, gates);
+               row_of(outs[0], step.first + r), save ? outs[3].data<float>() : nullptr, &step, r);
     }
   }
 }
 
-// ins: w_hh (4H, H), activations (N, 4H), c (N, H), c0 (B, H), d_output (N, H), d_h_n, d_c_n (B, H)
+// ins: w_hh (4H, H), saved (N, LstmSaved(H).row_floats()), c0 (B, H), d_output (N, H), d_h_n, d_c_n (B, H)
 // outs: d_x_gates (N, 4H), d_h0, d_c0 (B, H)
 void lstm_backward(std::vector<mx::array>& ins, std::vector<mx::array>& outs, const Loop& loop) {
 #if defined(__AVX2__) && defined(__FMA__)
   if (runs_packed_backward(loop)) return lstm_backward_packed(ins, outs, loop);
 #endif
-  const int batch = ins[5].shape(0), hidden = ins[5].shape(1), gates = 4 * hidden;
+  const int batch = ins[4].shape(0), hidden = ins[4].shape(1), gates = 4 * hidden;
   float* d_h = outs[1].data<float>();  // the gradients flow back in place in d_h0 and d_c0
   float* d_c = outs[2].data<float>();
-  copy_rows(d_h, ins[5].data<float>(), batch, hidden);
-  copy_rows(d_c, ins[6].data<float>(), batch, hidden);
+  copy_rows(d_h, ins[4].data<float>(), batch, hidden);
+  copy_rows(d_c, ins[5].data<float>(), batch, hidden);
   for (auto step = loop.steps.rbegin(); step != loop.steps.rend(); ++step) {
     lstm_gate_backward(ins, outs, *step, earlier_step(loop, *step), d_h, d_c, 0, hidden, 0, step->rows);
     // d_h[:rows] = d_gates (rows, 4H) @ w_hh (4H, H)
@@ -1310,7 +1354,7 @@ mx::array previous_states_product(const Loop& loop, const mx::array& d_gates, co
 }
 
 // primals: x_gates, w_hh, h0, c0 [, bias], or with kInputSide x, w_hh, h0, c0, w_ih [, bias];
-// outputs: output, h_n, c_n, activations, c
+// outputs: output, h_n, c_n, saved
 std::vector<mx::array> lstm_vjp(const Loop& loop, const std::vector<mx::array>& primals,
                                 const std::vector<mx::array>& cotangents, const std::vector<int>& argnums,
                                 const std::vector<mx::array>& outputs) {
@@ -1319,8 +1363,7 @@ std::vector<mx::array> lstm_vjp(const Loop& loop, const std::vector<mx::array>& 
   const auto s = seqlib_cpu::cpu_stream();
   const int n = primals[0].shape(0), b = primals[2].shape(0), h = primals[2].shape(1);
   auto d = run_loop("LSTMSequenceBackward", lstm_backward, {{n, 4 * h}, {b, h}, {b, h}},
-                    {&primals[1], &outputs[3], &outputs[4], &primals[3], &cotangents[0], &cotangents[1],
-                     &cotangents[2]},
+                    {&primals[1], &outputs[3], &primals[3], &cotangents[0], &cotangents[1], &cotangents[2]},
                     Loop{loop.steps, 0});
   const mx::array& d_x_gates = d[0];
   std::vector<mx::array> by_input = {d_x_gates, previous_states_product(loop, d_x_gates, outputs[0], primals[2]),
@@ -1383,18 +1426,18 @@ std::pair<int, int> lstm_state_shape(const char* op, const mx::array& w_hh, cons
   return {b, h};
 }
 
-// The shapes of an LSTM forward's outputs: output (N, H), h_n, c_n (B, H) [, activations (N, 4H), c (N, H):
-// what its backward reads, where saved].  It saves 5H floats a row: each step's c, whose tanh the backward
-// computes again, not tanh(c) and the c before the step (the backward reads the earlier step's c); and no h
-// before each step (the weight gradient reads the output rows of the earlier step: previous_states_product).
-// Forward+backward of one layer on 2 cores (Sapphire Rapids, three alternated processes, medians of 15 back
-// to back / of 7 after idle), 7H floats a row (tanh(c), the c and the h before the step) -> 6H (c) -> 5H:
-// (T, B, D, H) = (32, 64, 32, 128) 9.9-10.3 / 11.1-11.5 -> 9.4-10.0 / 11.0-11.3 -> 8.8-9.1 / 10.5-10.6 ms;
-// (200, 64, 128, 128) 81-83 / 82-83 -> 78-81 / 79-81 -> 76-78 / 76-79; (100, 32, 256, 512) 162-165 / 163-169
-// -> 156-162 / 159-165 -> 155-160 / 156-162.
+// The shapes of an LSTM forward's outputs: output (N, H), h_n, c_n (B, H) [, saved (N, LstmSaved(H).row_floats()):
+// what its backward reads, where saved].  It saves 5H floats a row (to whole blocks): the activations and each
+// step's c, whose tanh the backward computes again; not tanh(c) and the c before the step (the backward reads the
+// earlier step's c), nor the h before each step (the weight gradient reads the output rows of the earlier step:
+// previous_states_product).  Forward+backward of one layer on 2 cores (Sapphire Rapids, three alternated
+// processes, medians of 15 back to back / of 7 after idle), 7H floats a row (tanh(c), the c and the h before the
+// step) -> 6H (c) -> 5H: (T, B, D, H) = (32, 64, 32, 128) 9.9-10.3 / 11.1-11.5 -> 9.4-10.0 / 11.0-11.3 -> 8.8-9.1 /
+// 10.5-10.6 ms; (200, 64, 128, 128) 81-83 / 82-83 -> 78-81 / 79-81 -> 76-78 / 76-79; (100, 32, 256, 512) 162-165 /
+// 163-169 -> 156-162 / 159-165 -> 155-160 / 156-162.
 std::vector<mx::Shape> lstm_output_shapes(int n, int b, int h, bool save) {
   std::vector<mx::Shape> shapes = {{n, h}, {b, h}, {b, h}};
-  if (save) shapes.insert(shapes.end(), {{n, 4 * h}, {n, h}});
+  if (save) shapes.push_back({n, LstmSaved(h).row_floats()});
   return shapes;
 }
 
@@ -1433,22 +1476,22 @@ std::vector<mx::array> lstm_input_sequence(const mx::array& x, const mx::array& 
                   with_bias(op, {&x, &w_hh, &h0, &c0, &w_ih}, bias, 4 * h_), std::move(loop), lstm_vjp);
 }
 
-std::vector<mx::array> lstm_sequence_backward(const mx::array& w_hh, const mx::array& activations,
-                                              const mx::array& c, const mx::array& c0,
+// The backward of lstm_sequence from its saved array (its fourth output where save is true) and c0.
+std::vector<mx::array> lstm_sequence_backward(const mx::array& w_hh, const mx::array& saved, const mx::array& c0,
                                               const mx::array& d_output, const mx::array& d_h_n,
                                               const mx::array& d_c_n, std::vector<int> batch_sizes, bool reverse) {
   const char* op = "lstm_sequence_backward";
   const auto [b_, h_] = state_shape(op, "d_c_n", d_c_n);
-  const int n_ = activations.ndim() == 2 ? activations.shape(0) : 0;
+  const int n_ = saved.ndim() == 2 ? saved.shape(0) : 0;
   check_array(op, "d_h_n", d_h_n, {b_, h_});
   check_array(op, "c0", c0, {b_, h_});
   check_array(op, "w_hh", w_hh, {4 * h_, h_});
-  check_array(op, "activations", activations, {n_, 4 * h_});
-  for (const auto* array : {&c, &d_output}) check_array(op, "c and d_output", *array, {n_, h_});
+  check_array(op, "saved", saved, {n_, LstmSaved(h_).row_floats()});
+  check_array(op, "d_output", d_output, {n_, h_});
   check_steps(op, batch_sizes, b_, n_);
-  const int n = activations.shape(0), b = d_h_n.shape(0), h = d_h_n.shape(1);
+  const int n = saved.shape(0), b = d_h_n.shape(0), h = d_h_n.shape(1);
   return sequence("LSTMSequenceBackward", lstm_backward, {{n, 4 * h}, {b, h}, {b, h}},
-                  {&w_hh, &activations, &c, &c0, &d_output, &d_h_n, &d_c_n}, batch_sizes, reverse, 0);
+                  {&w_hh, &saved, &c0, &d_output, &d_h_n, &d_c_n}, batch_sizes, reverse, 0);
 }
 
 std::vector<mx::array> gru_sequence(const mx::array& x_gates, const mx::array& w_hh, const mx::array& b_hh,
@@ -2160,7 +2203,7 @@ void seqlib_cpu::register_recurrent(nb::module_& m) {
         "save"_a, "bias"_a = nb::none());
   m.def("lstm_input_sequence", &lstm_input_sequence, "x"_a, "w_ih"_a, "w_hh"_a, "h0"_a, "c0"_a, "batch_sizes"_a,
         "reverse"_a, "save"_a, "bias"_a = nb::none());
-  m.def("lstm_sequence_backward", &lstm_sequence_backward, "w_hh"_a, "activations"_a, "c"_a, "c0"_a,
+  m.def("lstm_sequence_backward", &lstm_sequence_backward, "w_hh"_a, "saved"_a, "c0"_a,
         "d_output"_a, "d_h_n"_a, "d_c_n"_a, "batch_sizes"_a, "reverse"_a);
   m.def("gru_sequence", &gru_sequence, "x_gates"_a, "w_hh"_a, "b_hh"_a, "h0"_a, "batch_sizes"_a, "reverse"_a,
         "save"_a, "bias"_a = nb::none());
