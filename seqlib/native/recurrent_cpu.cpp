@@ -281,27 +281,29 @@ inline void for_units(int first, int end, Body body) {
 #endif
 }
 
-// Where an LSTM forward saves what its backward reads (save): each row's activations i, f, g, o and its new c,
-// five slots of `units` floats for each block of units of the row.  A step's rows take consecutive rows of the
-// array, laid out block by block: block 0 of every row of the step in turn, then block 1, and so on.  The
-// packed loop's gate math runs a block at a time over the step's rows, so it writes one sequential stream
-// (a row's slots of a block are adjacent, the next row's follow); with the slots in rows of the usual layout
-// each block wrote five lines 2 KB apart per row (H = 128), and the saving forward took 1.7 ms more than the
+// Where a forward saves what its backward reads (save), per row and unit `slots` floats: the LSTM's activations
+// i, f, g, o and its new c (5), the GRU's activations r, z, n and its hidden side's n part (4); each in a slot
+// of `units` floats for each block of units of the row.  A step's rows take consecutive rows of the array,
+// laid out block by block: block 0 of every row of the step in turn, then block 1, and so on.  The packed
+// loop's gate math runs a block at a time over the step's rows, so it writes one sequential stream (a row's
+// slots of a block are adjacent, the next row's follow); with the slots in rows of the usual layout each block
+// of an LSTM wrote five lines 2 KB apart per row (H = 128), and the saving forward took 1.7 ms more than the
 // inference one instead of 0.3-0.7 (2-core Sapphire Rapids, (T, B, H) = (32, 64, 128), D = 32 / 128: 2.79 /
 // 3.54 ms -> 2.16-2.25 / 2.77-2.95; inference 1.78-1.94 / 2.39-2.57).  One layer's forward+backward, three
 // alternated processes, medians of 15: (T, B, D, H) = (32, 64, 32, 128) 8.2-8.8 -> 7.4-7.7 ms, (200, 64, 128,
 // 128) 72-73 -> 64-66, (100, 32, 256, 512) 146-148 -> 140-142.  units: the build's vector (kLanes
 // floats) where it has AVX2, else the whole row (one block: the usual row layout); rows are padded to whole
 // blocks, the padding never written nor read.
-struct LstmSaved {
-  static constexpr int kSlots = 5;  // i, f, g, o, c
-  int units, blocks;
-  explicit LstmSaved(int hidden) : units(block_units(hidden)), blocks((hidden + units - 1) / units) {}
-  int row_floats() const { return kSlots * blocks * units; }  // the array's width
-  // The offset of slot `slot` (0-4) of unit j (the first of a vector: a block's own) of the step's row r.
+constexpr int kLstmSlots = 5, kGruSlots = 4;
+struct SavedBlocks {
+  int slots, units, blocks;
+  SavedBlocks(int hidden, int slot_count)
+      : slots(slot_count), units(block_units(hidden)), blocks((hidden + units - 1) / units) {}
+  int row_floats() const { return slots * blocks * units; }  // the array's width
+  // The offset of slot `slot` of unit j (the first of a vector: a block's own) of the step's row r.
   size_t at(const Step& step, int r, int slot, int j) const {
     const size_t block_row = static_cast<size_t>(j / units) * step.rows + r;
-    return static_cast<size_t>(step.first) * row_floats() + (block_row * kSlots + slot) * units + j % units;
+    return static_cast<size_t>(step.first) * row_floats() + (block_row * slots + slot) * units + j % units;
   }
 
  private:
@@ -317,10 +319,10 @@ struct LstmSaved {
 
 // One row's LSTM gate math: a (4H) holds the row's pre-activations i, f, g, o and becomes their
 // activations; c_row advances in place; h_row and out_row get the new h; where saved is not nullptr, the
-// activations and the new c go to its slots for row r of the step (LstmSaved).
+// activations and the new c go to its slots for row r of the step (SavedBlocks, kLstmSlots).
 inline void lstm_row(int hidden, float* a, float* c_row, float* h_row, float* out_row, float* saved = nullptr,
                      const Step* step = nullptr, int r = 0) {
-  const LstmSaved layout(hidden);
+  const SavedBlocks layout(hidden, kLstmSlots);
   for_units(0, hidden, [&](int j, Lanes at) {
     auto i = at(a + j), f = at(a + hidden + j), g = at(a + 2 * hidden + j), o = at(a + 3 * hidden + j);
     auto c = at(c_row + j);
@@ -336,17 +338,22 @@ inline void lstm_row(int hidden, float* a, float* c_row, float* h_row, float* ou
 }
 
 // One row's GRU gate math: x (3H) the input side r, z, n (plus bias, where not nullptr), hs (3H) the
-// hidden side with b_hh; h_row advances in place, out_row gets the new h, a (where not nullptr) the
-// activations r, z, n.
+// hidden side with b_hh; h_row advances in place, out_row gets the new h; where saved is not nullptr, the
+// activations r, z, n and hs's n part go to its slots for row r of the step (SavedBlocks, kGruSlots).
 inline void gru_row(int hidden, const float* x, const float* bias, const float* hs, float* h_row, float* out_row,
-                    float* a) {
+                    float* saved = nullptr, const Step* step = nullptr, int r = 0) {
+  const SavedBlocks layout(hidden, kGruSlots);
   for_units(0, hidden, [&](int j, Lanes at) {
     decltype(at(x)) reset, update, n;
     const auto h = gru_unit(biased_at(at, x, bias, j), biased_at(at, x, bias, hidden + j),
                             biased_at(at, x, bias, 2 * hidden + j), at(hs + j), at(hs + hidden + j),
                             at(hs + 2 * hidden + j), at(h_row + j), reset, update, n);
     at.put(h_row + j, h), at.put(out_row + j, h);
-    if (a != nullptr) at.put(a + j, reset), at.put(a + hidden + j, update), at.put(a + 2 * hidden + j, n);
+    if (saved != nullptr) {
+      float* slots = saved + layout.at(*step, r, 0, j);
+      at.put(slots, reset), at.put(slots + layout.units, update), at.put(slots + 2 * layout.units, n);
+      at.put(slots + 3 * layout.units, at(hs + 2 * hidden + j));
+    }
   });
 }
 
@@ -366,7 +373,7 @@ void lstm_gate_backward(const std::vector<mx::array>& ins, std::vector<mx::array
                         const Step* earlier, const float* d_h, float* d_c, int first, int end, int first_row,
                         int end_row) {
   const int hidden = ins[4].shape(1);
-  const LstmSaved layout(hidden);
+  const SavedBlocks layout(hidden, kLstmSlots);
   const float* saved = ins[1].data<float>();
   for (int r = first_row; r < std::min(end_row, step.rows); ++r) {
     const int row = step.first + r;
@@ -396,23 +403,26 @@ void lstm_gate_backward(const std::vector<mx::array>& ins, std::vector<mx::array
 // its input and hidden sides (outs[0], outs[1]) from d_h, which takes the direct path's part (the
 // recurrent product's is added after).  The state before the step is the earlier step's output row, or h0's
 // where the row was not in it (as the LSTM's c: lstm_gate_backward).  ins and outs as gru_backward's; earlier:
-// earlier_step(loop, step).
+// earlier_step(loop, step); first a multiple of the saved blocks' units.
 void gru_gate_backward(const std::vector<mx::array>& ins, std::vector<mx::array>& outs, const Step& step,
                        const Step* earlier, float* d_h, int first, int end, int first_row, int end_row) {
-  const int hidden = ins[6].shape(1);
+  const int hidden = ins[5].shape(1);
+  const SavedBlocks layout(hidden, kGruSlots);
+  const float* saved = ins[1].data<float>();
   for (int r = first_row; r < std::min(end_row, step.rows); ++r) {
     const int row = step.first + r;
-    const float *a = row_of(ins[1], row), *hs_n = row_of(ins[2], row);
-    const float* h_prev = earlier != nullptr && r < earlier->rows ? row_of(ins[3], earlier->first + r)
-                                                                  : row_of(ins[4], r);
-    const float* d_output = row_of(ins[5], row);
+    const float* h_prev = earlier != nullptr && r < earlier->rows ? row_of(ins[2], earlier->first + r)
+                                                                  : row_of(ins[3], r);
+    const float* d_output = row_of(ins[4], row);
     float* d_input = row_of(outs[0], row);
     float* d_hidden = row_of(outs[1], row);
     float* d_h_row = d_h + static_cast<size_t>(r) * hidden;
     for_units(first, end, [&](int j, Lanes at) {
-      const auto reset = at(a + j);
+      const float* slots = saved + layout.at(step, r, 0, j);
+      const int units = layout.units;
+      const auto reset = at(slots);
       std::remove_const_t<decltype(reset)> d_r, d_z, d_n, d_direct;
-      gru_unit_backward(reset, at(a + hidden + j), at(a + 2 * hidden + j), at(hs_n + j), at(h_prev + j),
+      gru_unit_backward(reset, at(slots + units), at(slots + 2 * units), at(slots + 3 * units), at(h_prev + j),
                         at(d_output + j) + at(d_h_row + j), d_r, d_z, d_n, d_direct);
       at.put(d_input + j, d_r), at.put(d_hidden + j, d_r);
       at.put(d_input + hidden + j, d_z), at.put(d_hidden + hidden + j, d_z);
@@ -721,7 +731,7 @@ inline void rows_product(int rows, const float* a, int lda, int depth, const flo
 // (i, f, g, o: kUnits each), x their input sides (i at x[0], f at x[x_stride], ...: a row of x_gates, stride
 // H, or of a tile's input products, stride kUnits) and bias (i at bias[0], f at bias[H], ...; or nullptr)
 // what is added to them; c advances in place, h and out get the new h, and where asked act (i at 0, f at H,
-// ...) and where saved is not nullptr, the activations and the new c into its five slots (LstmSaved: kUnits
+// ...) and where saved is not nullptr, the activations and the new c into its five slots (SavedBlocks: kUnits
 // floats apart).
 inline void lstm_gate_math(int units, int hidden, const float* x, int x_stride, const float* bias, const float* acc,
                            float* c, float* h, float* out, float* saved) {
@@ -919,7 +929,7 @@ void lstm_forward_packed(std::vector<mx::array>& ins, std::vector<mx::array>& ou
   // (which may change between steps: the step's meeting orders its write before the next step's read)
   copy_rows(c, ins[3].data<float>(), batch, hidden);
   auto before = [](const Step&, int, int, int, int, const float*) {};  // nothing to save of the state
-  const LstmSaved layout(hidden);
+  const SavedBlocks layout(hidden, kLstmSlots);
   float* saved = save ? outs[3].data<float>() : nullptr;
   auto gate_math = [&](const Step& step, int r, int unit, int units, const float* acc, const float* input_acc,
                        const float*, float* next) {
@@ -936,11 +946,11 @@ void lstm_forward_packed(std::vector<mx::array>& ins, std::vector<mx::array>& ou
 
 // The GRU's gate math for `units` (<= kUnits) units of one row: acc holds their products with w_hh (r, z,
 // n: kUnits each), b_hh and x (r at 0, z at H, n at 2H) their biases and input sides; h_prev is the state
-// before the step.  h and out get the new h; where asked act (r, z, n) and hidden_n (the hidden side's n
-// part: W_hn h + b_hn, which the backward reads).
+// before the step.  h and out get the new h; where saved is not nullptr, the activations r, z, n and the
+// hidden side's n part (W_hn h + b_hn, which the backward reads) go to its four slots (SavedBlocks: kUnits
+// floats apart).
 inline void gru_gate_math(int units, int hidden, const float* x, const float* bias, const float* b_hh,
-                          const float* acc, const float* h_prev, float* h, float* out, float* act,
-                          float* hidden_n) {
+                          const float* acc, const float* h_prev, float* h, float* out, float* saved) {
   using simd::store;
   const auto side = [&](int gate) { return simd::load(acc + gate * kUnits) + simd::load(b_hh + gate * hidden, units); };
   const Vec hs_r = side(0), hs_z = side(1), hs_n = side(2);
@@ -950,9 +960,9 @@ inline void gru_gate_math(int units, int hidden, const float* x, const float* bi
                              biased_at(lanes, x, bias, 2 * hidden), hs_r, hs_z, hs_n, lanes(h_prev), reset, update, n);
   store(h, h_new, units);
   store(out, h_new, units);
-  if (act != nullptr) {
-    store(act, reset, units), store(act + hidden, update, units), store(act + 2 * hidden, n, units);
-    store(hidden_n, hs_n, units);
+  if (saved != nullptr) {
+    store(saved, reset, units), store(saved + kUnits, update, units), store(saved + 2 * kUnits, n, units);
+    store(saved + 3 * kUnits, hs_n, units);
   }
 }
 
@@ -963,12 +973,14 @@ void gru_forward_packed(std::vector<mx::array>& ins, std::vector<mx::array>& out
   const float *b_hh = ins[2].data<float>(), *bias = bias_input(ins, 4);
   std::vector<float> h(ins[3].data<float>(), ins[3].data<float>() + static_cast<size_t>(batch) * hidden), h_next(h);
   auto before = [](const Step&, int, int, int, int, const float*) {};  // nothing to save of the state
+  const SavedBlocks layout(hidden, kGruSlots);
+  float* saved = save ? outs[2].data<float>() : nullptr;
   auto gate_math = [&](const Step& step, int r, int unit, int units, const float* acc, const float*,
                        const float* current, float* next) {
     const size_t row = static_cast<size_t>(step.first) + r, at = static_cast<size_t>(r) * hidden + unit;
     gru_gate_math(units, hidden, row_of(ins[0], row) + unit, bias != nullptr ? bias + unit : nullptr, b_hh + unit,
-                  acc, current + at, next + at, row_of(outs[0], row) + unit, save ? row_of(outs[2], row) + unit : nullptr,
-                  save ? row_of(outs[3], row) + unit : nullptr);
+                  acc, current + at, next + at, row_of(outs[0], row) + unit,
+                  save ? saved + layout.at(step, r, 0, unit) : nullptr);
   };
   packed_steps(loop, batch, hidden, 3, ins[1].data<float>(), ins[0], h.data(), h_next.data(), before, gate_math);
   final_states(loop, outs[0], outs[1].data<float>());
@@ -1034,9 +1046,9 @@ void lstm_backward_packed(std::vector<mx::array>& ins, std::vector<mx::array>& o
 }
 
 void gru_backward_packed(std::vector<mx::array>& ins, std::vector<mx::array>& outs, const Loop& loop) {
-  const int batch = ins[6].shape(0), hidden = ins[6].shape(1);
+  const int batch = ins[5].shape(0), hidden = ins[5].shape(1);
   float* d_h = outs[2].data<float>();
-  copy_rows(d_h, ins[6].data<float>(), batch, hidden);
+  copy_rows(d_h, ins[5].data<float>(), batch, hidden);
   packed_backward_steps(loop, batch, hidden, ins[0].data<float>(), outs[1], d_h,
                         true, [&](const Step& step, int first, int end, int first_row, int end_row) {
                           gru_gate_backward(ins, outs, step, earlier_step(loop, step), d_h, first, end, first_row,
@@ -1085,7 +1097,7 @@ bool computes_input_side(const Loop& loop, int batch, int depth, int hidden) {
 
 // ins: x_gates (N, 4H), w_hh (4H, H), h0, c0 (B, H) [, bias (4H,) added to every row of x_gates]
 //   or with kInputSide: x (N, D), w_hh, h0, c0, w_ih (4H, D) [, bias]
-// outs: output (N, H), h_n, c_n (B, H) [, saved (N, LstmSaved(H).row_floats()): each step's activations and
+// outs: output (N, H), h_n, c_n (B, H) [, saved (N, SavedBlocks(H, kLstmSlots).row_floats()): each step's activations and
 //   new c, what the backward reads]
 void lstm_forward(std::vector<mx::array>& ins, std::vector<mx::array>& outs, const Loop& loop) {
 #if defined(__AVX2__) && defined(__FMA__)
@@ -1116,7 +1128,7 @@ void lstm_forward(std::vector<mx::array>& ins, std::vector<mx::array>& outs, con
   }
 }
 
-// ins: w_hh (4H, H), saved (N, LstmSaved(H).row_floats()), c0 (B, H), d_output (N, H), d_h_n, d_c_n (B, H)
+// ins: w_hh (4H, H), saved (N, SavedBlocks(H, kLstmSlots).row_floats()), c0 (B, H), d_output (N, H), d_h_n, d_c_n (B, H)
 // outs: d_x_gates (N, 4H), d_h0, d_c0 (B, H)
 void lstm_backward(std::vector<mx::array>& ins, std::vector<mx::array>& outs, const Loop& loop) {
 #if defined(__AVX2__) && defined(__FMA__)
@@ -1138,8 +1150,8 @@ void lstm_backward(std::vector<mx::array>& ins, std::vector<mx::array>& outs, co
 // ----------------------------------------------------------------- GRU (torch's: n = tanh(x_n + r (W_hn h + b_hn)))
 
 // ins: x_gates (N, 3H) = x W_ih^T (+ b_ih), w_hh (3H, H), b_hh (3H,), h0 (B, H) [, bias (3H,): b_ih]
-// outs: output (N, H), h_n (B, H) [, activations r, z, n (N, 3H), hidden_n (N, H): the hidden side's n part,
-//   W_hn h + b_hn; the backward reads the state before each step from the output]
+// outs: output (N, H), h_n (B, H) [, saved (N, SavedBlocks(H, kGruSlots).row_floats()): the activations r, z, n
+//   and the hidden side's n part, W_hn h + b_hn; the backward reads the state before each step from the output]
 void gru_forward(std::vector<mx::array>& ins, std::vector<mx::array>& outs, const Loop& loop) {
 #if defined(__AVX2__) && defined(__FMA__)
   if (runs_packed(loop, ins[3].shape(0), ins[3].shape(1), 3)) return gru_forward_packed(ins, outs, loop);
@@ -1160,22 +1172,21 @@ void gru_forward(std::vector<mx::array>& ins, std::vector<mx::array>& outs, cons
     for (int r = 0; r < step.rows; ++r) {
       const float* hs = hidden_side.data() + static_cast<size_t>(r) * gates;
       gru_row(hidden, row_of(ins[0], step.first + r), bias, hs, h + static_cast<size_t>(r) * hidden,
-              row_of(outs[0], step.first + r), save ? row_of(outs[2], step.first + r) : nullptr);
-      if (save) copy_rows(row_of(outs[3], step.first + r), hs + 2 * hidden, 1, hidden);  // its n part
+              row_of(outs[0], step.first + r), save ? outs[2].data<float>() : nullptr, &step, r);
     }
   }
 }
 
-// ins: w_hh (3H, H), activations (N, 3H), hidden_n (N, H), output (N, H), h0 (B, H), d_output (N, H),
-//   d_h_n (B, H)
+// ins: w_hh (3H, H), saved (N, SavedBlocks(H, kGruSlots).row_floats()), output (N, H), h0 (B, H),
+//   d_output (N, H), d_h_n (B, H)
 // outs: d_input_side (N, 3H) (= d_x_gates), d_hidden_side (N, 3H), d_h0 (B, H)
 void gru_backward(std::vector<mx::array>& ins, std::vector<mx::array>& outs, const Loop& loop) {
 #if defined(__AVX2__) && defined(__FMA__)
   if (runs_packed_backward(loop)) return gru_backward_packed(ins, outs, loop);
 #endif
-  const int batch = ins[6].shape(0), hidden = ins[6].shape(1), gates = 3 * hidden;
+  const int batch = ins[5].shape(0), hidden = ins[5].shape(1), gates = 3 * hidden;
   float* d_h = outs[2].data<float>();
-  copy_rows(d_h, ins[6].data<float>(), batch, hidden);
+  copy_rows(d_h, ins[5].data<float>(), batch, hidden);
   for (auto step = loop.steps.rbegin(); step != loop.steps.rend(); ++step) {
     gru_gate_backward(ins, outs, *step, earlier_step(loop, *step), d_h, 0, hidden, 0, step->rows);
     // d_h[:rows] += d_hidden_side (rows, 3H) @ w_hh (3H, H)
@@ -1376,7 +1387,7 @@ std::vector<mx::array> lstm_vjp(const Loop& loop, const std::vector<mx::array>& 
   return pick(argnums, by_input);
 }
 
-// primals: x_gates, w_hh, b_hh, h0 [, bias]; outputs: output, h_n, activations, hidden_n
+// primals: x_gates, w_hh, b_hh, h0 [, bias]; outputs: output, h_n, saved
 std::vector<mx::array> gru_vjp(const Loop& loop, const std::vector<mx::array>& primals,
                                const std::vector<mx::array>& cotangents, const std::vector<int>& argnums,
                                const std::vector<mx::array>& outputs) {
@@ -1384,8 +1395,7 @@ std::vector<mx::array> gru_vjp(const Loop& loop, const std::vector<mx::array>& p
   const auto s = seqlib_cpu::cpu_stream();
   const int n = primals[0].shape(0), b = primals[3].shape(0), h = primals[3].shape(1);
   auto d = run_loop("GRUSequenceBackward", gru_backward, {{n, 3 * h}, {n, 3 * h}, {b, h}},
-                    {&primals[1], &outputs[2], &outputs[3], &outputs[0], &primals[3], &cotangents[0],
-                     &cotangents[1]},
+                    {&primals[1], &outputs[2], &outputs[0], &primals[3], &cotangents[0], &cotangents[1]},
                     Loop{loop.steps, 0});
   std::vector<mx::array> by_input = {d[0], previous_states_product(loop, d[1], outputs[0], primals[3]),
                                      mx::sum(d[1], 0, false, s), d[2]};
@@ -1426,7 +1436,7 @@ std::pair<int, int> lstm_state_shape(const char* op, const mx::array& w_hh, cons
   return {b, h};
 }
 
-// The shapes of an LSTM forward's outputs: output (N, H), h_n, c_n (B, H) [, saved (N, LstmSaved(H).row_floats()):
+// The shapes of an LSTM forward's outputs: output (N, H), h_n, c_n (B, H) [, saved (N, SavedBlocks(H, kLstmSlots).row_floats()):
 // what its backward reads, where saved].  It saves 5H floats a row (to whole blocks): the activations and each
 // step's c, whose tanh the backward computes again; not tanh(c) and the c before the step (the backward reads the
 // earlier step's c), nor the h before each step (the weight gradient reads the output rows of the earlier step:
@@ -1437,7 +1447,7 @@ std::pair<int, int> lstm_state_shape(const char* op, const mx::array& w_hh, cons
 // 163-169 -> 156-162 / 159-165 -> 155-160 / 156-162.
 std::vector<mx::Shape> lstm_output_shapes(int n, int b, int h, bool save) {
   std::vector<mx::Shape> shapes = {{n, h}, {b, h}, {b, h}};
-  if (save) shapes.push_back({n, LstmSaved(h).row_floats()});
+  if (save) shapes.push_back({n, SavedBlocks(h, kLstmSlots).row_floats()});
   return shapes;
 }
 
@@ -1486,7 +1496,7 @@ std::vector<mx::array> lstm_sequence_backward(const mx::array& w_hh, const mx::a
   check_array(op, "d_h_n", d_h_n, {b_, h_});
   check_array(op, "c0", c0, {b_, h_});
   check_array(op, "w_hh", w_hh, {4 * h_, h_});
-  check_array(op, "saved", saved, {n_, LstmSaved(h_).row_floats()});
+  check_array(op, "saved", saved, {n_, SavedBlocks(h_, kLstmSlots).row_floats()});
   check_array(op, "d_output", d_output, {n_, h_});
   check_steps(op, batch_sizes, b_, n_);
   const int n = saved.shape(0), b = d_h_n.shape(0), h = d_h_n.shape(1);
@@ -1504,33 +1514,33 @@ std::vector<mx::array> gru_sequence(const mx::array& x_gates, const mx::array& w
   check_array(op, "x_gates", x_gates, {x_gates.ndim() == 2 ? x_gates.shape(0) : 0, 3 * h_});
   check_steps(op, batch_sizes, b_, x_gates.shape(0));
   const int n = x_gates.shape(0), b = h0.shape(0), h = h0.shape(1);
-  // saved: activations (N, 3H), hidden_n (N, H); 4H floats a row where the whole hidden side and h before each
-  // step made 7H.  One layer's forward+backward on 2 cores (Sapphire Rapids, three alternated processes,
-  // medians of 15 back to back), 7H -> 4H: (T, B, D, H) = (32, 64, 32, 128) 10.4-10.6 -> 9.0-9.5 ms;
-  // (200, 64, 128, 128) 76-78 -> 70-72; (100, 32, 256, 512) 138-144 -> 132-136; (35, 20, 650, 650) alike.
+  // saved (SavedBlocks): the activations and the hidden side's n part, 4H floats a row (to whole blocks), where
+  // the activations, the whole hidden side and the h before each step made 7H.  One layer's forward+backward on
+  // 2 cores (Sapphire Rapids, three alternated processes, medians of 15 back to back), 7H -> 4H in rows -> 4H in
+  // blocks: (T, B, D, H) = (32, 64, 32, 128) 10.4-10.6 -> 9.0-9.5 ms, then 8.8-9.3 -> 7.6-7.9 (a quieter hour);
+  // (200, 64, 128, 128) 76-78 -> 70-72, then 67.5-69 -> 62.7-63.6; (100, 32, 256, 512) 138-144 -> 132-136, then
+  // 126-127 -> 120; (35, 20, 650, 650) alike, then 59 -> 57-58.
   std::vector<mx::Shape> shapes = {{n, h}, {b, h}};
-  if (save) shapes.insert(shapes.end(), {{n, 3 * h}, {n, h}});
+  if (save) shapes.push_back({n, SavedBlocks(h, kGruSlots).row_floats()});
   return sequence("GRUSequence", gru_forward, shapes, with_bias(op, {&x_gates, &w_hh, &b_hh, &h0}, bias, 3 * h),
                   batch_sizes, reverse, save ? kSave : 0, gru_vjp);
 }
 
-std::vector<mx::array> gru_sequence_backward(const mx::array& w_hh, const mx::array& activations,
-                                             const mx::array& hidden_n, const mx::array& output, const mx::array& h0,
-                                             const mx::array& d_output, const mx::array& d_h_n,
+// The backward of gru_sequence from its saved array (its third output where save is true), output and h0.
+std::vector<mx::array> gru_sequence_backward(const mx::array& w_hh, const mx::array& saved, const mx::array& output,
+                                             const mx::array& h0, const mx::array& d_output, const mx::array& d_h_n,
                                              std::vector<int> batch_sizes, bool reverse) {
   const char* op = "gru_sequence_backward";
   const auto [b_, h_] = state_shape(op, "d_h_n", d_h_n);
-  const int n_ = activations.ndim() == 2 ? activations.shape(0) : 0;
+  const int n_ = saved.ndim() == 2 ? saved.shape(0) : 0;
   check_array(op, "w_hh", w_hh, {3 * h_, h_});
-  check_array(op, "activations", activations, {n_, 3 * h_});
+  check_array(op, "saved", saved, {n_, SavedBlocks(h_, kGruSlots).row_floats()});
   check_array(op, "h0", h0, {b_, h_});
-  for (const auto* array : {&hidden_n, &output, &d_output}) {
-    check_array(op, "hidden_n, output and d_output", *array, {n_, h_});
-  }
+  for (const auto* array : {&output, &d_output}) check_array(op, "output and d_output", *array, {n_, h_});
   check_steps(op, batch_sizes, b_, n_);
-  const int n = activations.shape(0), b = d_h_n.shape(0), h = d_h_n.shape(1);
+  const int n = saved.shape(0), b = d_h_n.shape(0), h = d_h_n.shape(1);
   return sequence("GRUSequenceBackward", gru_backward, {{n, 3 * h}, {n, 3 * h}, {b, h}},
-                  {&w_hh, &activations, &hidden_n, &output, &h0, &d_output, &d_h_n}, batch_sizes, reverse, 0);
+                  {&w_hh, &saved, &output, &h0, &d_output, &d_h_n}, batch_sizes, reverse, 0);
 }
 
 std::vector<mx::array> rnn_sequence(const mx::array& x_gates, const mx::array& w_hh, const mx::array& h0,
@@ -2207,7 +2217,7 @@ void seqlib_cpu::register_recurrent(nb::module_& m) {
         "d_output"_a, "d_h_n"_a, "d_c_n"_a, "batch_sizes"_a, "reverse"_a);
   m.def("gru_sequence", &gru_sequence, "x_gates"_a, "w_hh"_a, "b_hh"_a, "h0"_a, "batch_sizes"_a, "reverse"_a,
         "save"_a, "bias"_a = nb::none());
-  m.def("gru_sequence_backward", &gru_sequence_backward, "w_hh"_a, "activations"_a, "hidden_n"_a, "output"_a, "h0"_a,
+  m.def("gru_sequence_backward", &gru_sequence_backward, "w_hh"_a, "saved"_a, "output"_a, "h0"_a,
         "d_output"_a, "d_h_n"_a, "batch_sizes"_a, "reverse"_a);
   m.def("rnn_sequence", &rnn_sequence, "x_gates"_a, "w_hh"_a, "h0"_a, "batch_sizes"_a, "reverse"_a, "relu"_a,
         "save"_a, "bias"_a = nb::none());
