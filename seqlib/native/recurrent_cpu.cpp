@@ -1408,7 +1408,6 @@ std::vector<mx::array> rnn_vjp(const Loop& loop, const std::vector<mx::array>& p
                                const std::vector<mx::array>& cotangents, const std::vector<int>& argnums,
                                const std::vector<mx::array>& outputs) {
   require_saved(loop, "rnn_sequence");
-  const auto s = seqlib_cpu::cpu_stream();
   const int n = primals[0].shape(0), b = primals[2].shape(0), h = primals[2].shape(1);
   auto d = run_loop("RNNSequenceBackward", rnn_backward, {{n, h}, {b, h}},
                     {&primals[1], &outputs[0], &cotangents[0], &cotangents[1]}, Loop{loop.steps, loop.option & kRelu});
