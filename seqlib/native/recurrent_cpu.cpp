@@ -799,10 +799,9 @@ void final_states(const Loop& loop, const mx::array& output, float* h_n) {
 }
 
 // The time loop on packed weights, its blocks of kUnits units shared among groups of threads (team_size),
-// and each step's rows among the threads of a group (row_parts): at each step each thread calls
-// before(step, first unit, end unit, first row, end row) (what must be saved of the state, its units and
-// rows only), then for each of its blocks and every tile of up to kRowsPerTile of its rows the tile's
-// product h[rows] @ block and gate_math(step, row, unit, units, tile row, input row, h, h_next) on it, which
+// and each step's rows among the threads of a group (row_parts): at each step, for each of its blocks and
+// every tile of up to kRowsPerTile of its rows, each thread computes the tile's product h[rows] @ block and
+// gate_math(step, row, unit, units, tile row, input row, h, h_next) on it, which
 // writes the row's new h for those units into h_next; then the team meets, and h and h_next swap.  Where
 // the loop computes an LSTM's input side (input.x: see computes_input_side), the tiles first take
 // x[rows] @ the block's w_ih (packed as w_hh is) into input_products, whose row is gate_math's input row
@@ -852,9 +851,9 @@ struct InputSide {
   int depth = 0;
 };
 
-template <class Before, class GateMath>
+template <class GateMath>
 void packed_steps(const Loop& loop, int batch, int hidden, int gates, const float* w_hh, const mx::array& x_gates,
-                  float* h, float* h_next, Before before, GateMath gate_math, InputSide input = {}) {
+                  float* h, float* h_next, GateMath gate_math, InputSide input = {}) {
   const int blocks = (hidden + kUnits - 1) / kUnits, depth = input.depth;
   const int groups = team_size(batch, hidden, blocks), parts = row_parts(batch, hidden, groups);
   AlignedFloats packed(static_cast<size_t>(blocks) * hidden * kTile);
@@ -862,7 +861,6 @@ void packed_steps(const Loop& loop, int batch, int hidden, int gates, const floa
   run_team(groups * parts, [&](int thread, int, StepBarrier& barrier) {
     const int part = thread % parts;
     const auto [first_block, end_block] = share_of(0, blocks, thread / parts, groups);
-    const int first_unit = first_block * kUnits, end_unit = std::min(hidden, end_block * kUnits);
     const auto rows_of = [&](const Step& step) { return share_of(0, step.rows, part, parts); };  // this thread's
     const auto [pack_from, pack_end] = share_of(first_block, end_block, part, parts);  // the group packs its blocks
     pack_gate_blocks(w_hh, hidden, hidden, gates, pack_from, pack_end, packed.data());
@@ -879,7 +877,6 @@ void packed_steps(const Loop& loop, int batch, int hidden, int gates, const floa
       // the next step's rows of this thread (more, reversed), whose input sides are asked for a step ahead
       const auto ahead = coming != nullptr && input.x == nullptr ? rows_of(*coming) : std::pair{0, 0};
       const int ahead_first = ahead.first, ahead_end = ahead.second;
-      before(step, first_unit, end_unit, first_row, end_row, current);
       for (int n = 0; n < end_block - first_block; ++n) {
         const int b = block_in_turn(first_block, end_block, n, s);
         const float* block = packed.data() + static_cast<size_t>(b) * hidden * kTile;
@@ -908,14 +905,6 @@ void packed_steps(const Loop& loop, int batch, int hidden, int gates, const floa
   });
 }
 
-// Columns [first, end) of rows x width floats from src (row stride width) to dst (the same layout).
-inline void copy_columns(float* dst, const float* src, int rows, int width, int first, int end) {
-  for (int r = 0; r < rows; ++r) {
-    std::memcpy(dst + static_cast<size_t>(r) * width + first, src + static_cast<size_t>(r) * width + first,
-                sizeof(float) * (end - first));
-  }
-}
-
 // lstm_forward's loop on packed weights (same ins, outs and saved arrays; with kInputSide, x and w_ih).
 void lstm_forward_packed(std::vector<mx::array>& ins, std::vector<mx::array>& outs, const Loop& loop) {
   const bool save = loop.option & kSave, input_side = loop.option & kInputSide;
@@ -928,7 +917,6 @@ void lstm_forward_packed(std::vector<mx::array>& ins, std::vector<mx::array>& ou
   float* c = outs[2].data<float>();  // c advances in place in c_n: at each step each (row, unit) by one thread
   // (which may change between steps: the step's meeting orders its write before the next step's read)
   copy_rows(c, ins[3].data<float>(), batch, hidden);
-  auto before = [](const Step&, int, int, int, int, const float*) {};  // nothing to save of the state
   const SavedBlocks layout(hidden, kLstmSlots);
   float* saved = save ? outs[3].data<float>() : nullptr;
   auto gate_math = [&](const Step& step, int r, int unit, int units, const float* acc, const float* input_acc,
@@ -939,7 +927,7 @@ void lstm_forward_packed(std::vector<mx::array>& ins, std::vector<mx::array>& ou
                    c + static_cast<size_t>(r) * hidden + unit, next + static_cast<size_t>(r) * hidden + unit,
                    row_of(outs[0], step.first + r) + unit, save ? saved + layout.at(step, r, 0, unit) : nullptr);
   };
-  packed_steps(loop, batch, hidden, 4, ins[1].data<float>(), ins[0], h.data(), h_next.data(), before, gate_math,
+  packed_steps(loop, batch, hidden, 4, ins[1].data<float>(), ins[0], h.data(), h_next.data(), gate_math,
                input);
   final_states(loop, outs[0], outs[1].data<float>());
 }
@@ -972,7 +960,6 @@ void gru_forward_packed(std::vector<mx::array>& ins, std::vector<mx::array>& out
   const int batch = ins[3].shape(0), hidden = ins[3].shape(1);
   const float *b_hh = ins[2].data<float>(), *bias = bias_input(ins, 4);
   std::vector<float> h(ins[3].data<float>(), ins[3].data<float>() + static_cast<size_t>(batch) * hidden), h_next(h);
-  auto before = [](const Step&, int, int, int, int, const float*) {};  // nothing to save of the state
   const SavedBlocks layout(hidden, kGruSlots);
   float* saved = save ? outs[2].data<float>() : nullptr;
   auto gate_math = [&](const Step& step, int r, int unit, int units, const float* acc, const float*,
@@ -982,7 +969,7 @@ void gru_forward_packed(std::vector<mx::array>& ins, std::vector<mx::array>& out
                   acc, current + at, next + at, row_of(outs[0], row) + unit,
                   save ? saved + layout.at(step, r, 0, unit) : nullptr);
   };
-  packed_steps(loop, batch, hidden, 3, ins[1].data<float>(), ins[0], h.data(), h_next.data(), before, gate_math);
+  packed_steps(loop, batch, hidden, 3, ins[1].data<float>(), ins[0], h.data(), h_next.data(), gate_math);
   final_states(loop, outs[0], outs[1].data<float>());
 }
 
