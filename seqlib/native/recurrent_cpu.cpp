@@ -18,7 +18,8 @@
 //                                            input x and w_ih (lstm_input_sequence: see computes_input_side)
 //   ...SequenceBackward                      backward through the steps in reverse: the gradients
 //                                            of x_gates, of the initial state(s), and for the GRU
-//                                            of its hidden side (for dW_hh and db_hh)
+//                                            of its hidden side (for db_hh, and dW_hh with the states
+//                                            each step started from: previous_states_product)
 //   SwapLeadingAxes                          a batch-first input copied time-major, on several threads
 //
 // All are cpu_loop.h's one primitive class, CpuLoop, running one of the loops below.
@@ -300,7 +301,8 @@ struct SavedBlocks {
   SavedBlocks(int hidden, int slot_count)
       : slots(slot_count), units(block_units(hidden)), blocks((hidden + units - 1) / units) {}
   int row_floats() const { return slots * blocks * units; }  // the array's width
-  // The offset of slot `slot` of unit j (the first of a vector: a block's own) of the step's row r.
+  // The offset of slot `slot` of unit j of the step's row r: j the first unit of a vector with AVX2 (a vector
+  // never crosses a block), any unit without (one block).
   size_t at(const Step& step, int r, int slot, int j) const {
     const size_t block_row = static_cast<size_t>(j / units) * step.rows + r;
     return static_cast<size_t>(step.first) * row_floats() + (block_row * slots + slot) * units + j % units;
@@ -730,9 +732,8 @@ inline void rows_product(int rows, const float* a, int lda, int depth, const flo
 // The LSTM's gate math for `units` (<= kUnits) units of one row: acc holds their four gates' products
 // (i, f, g, o: kUnits each), x their input sides (i at x[0], f at x[x_stride], ...: a row of x_gates, stride
 // H, or of a tile's input products, stride kUnits) and bias (i at bias[0], f at bias[H], ...; or nullptr)
-// what is added to them; c advances in place, h and out get the new h, and where asked act (i at 0, f at H,
-// ...) and where saved is not nullptr, the activations and the new c into its five slots (SavedBlocks: kUnits
-// floats apart).
+// what is added to them; c advances in place, h and out get the new h, and where saved is not nullptr, the
+// activations and the new c go to its five slots (SavedBlocks: kUnits floats apart).
 inline void lstm_gate_math(int units, int hidden, const float* x, int x_stride, const float* bias, const float* acc,
                            float* c, float* h, float* out, float* saved) {
   using simd::store;
