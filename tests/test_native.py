@@ -98,6 +98,16 @@ def test_long_sequences_of_many_rows_equal_the_ops_path(hidden_size, reverse):
     check_lstm_against_the_ops_path(lengths, hidden_size, reverse, seed=hidden_size)
 
 
+@linux_only
+@pytest.mark.parametrize("reverse", [False, True])
+def test_a_wide_batch_of_few_units_equals_the_ops_path(reverse):
+    """Many rows and few blocks of units: a step's product passes 4M multiply-adds (456 rows, H = 48) with fewer
+    blocks than threads, so where there are spare threads (on AVX-512 with 2 cores or more: 3 blocks of 16) each
+    block's rows are shared among threads (row_parts), each writing and reading its rows' saved blocks."""
+    lengths = [6] * 300 + [4] * 150 + [1] * 6  # 456 sequences
+    check_lstm_against_the_ops_path(lengths, 48, reverse, seed=48)
+
+
 def check_lstm_against_the_ops_path(lengths, hidden_size, reverse, seed):
     batch_sizes = packed_batch_sizes(lengths)
     rows, batch = sum(batch_sizes), batch_sizes[0]
