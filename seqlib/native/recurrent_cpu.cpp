@@ -364,6 +364,10 @@ inline const Step* earlier_step(const Loop& loop, const Step& step) {
   return &step == loop.steps.data() ? nullptr : &step - 1;
 }
 
+// Whether row r of a step took its state from the earlier step (earlier_step) rather than from the initial state
+// (the first step; in the reverse direction, a sequence that joins at this step).
+inline bool continues(const Step* earlier, int r) { return earlier != nullptr && r < earlier->rows; }
+
 // The LSTM's backward through one step's gate math, for units [first, end) of rows [first_row, end_row) (those
 // of the step's rows that fall there): d_gates (the
 // step's rows of outs[0]) from d_h (the gradient reaching h, rows of d_h0's buffer) and d_c, which moves
@@ -379,7 +383,6 @@ void lstm_gate_backward(const std::vector<mx::array>& ins, std::vector<mx::array
   const float* saved = ins[1].data<float>();
   for (int r = first_row; r < std::min(end_row, step.rows); ++r) {
     const int row = step.first + r;
-    const bool continues = earlier != nullptr && r < earlier->rows;
     const float* c0_row = row_of(ins[2], r);
     const float* d_output = row_of(ins[3], row);
     float* d_a = row_of(outs[0], row);
@@ -387,7 +390,7 @@ void lstm_gate_backward(const std::vector<mx::array>& ins, std::vector<mx::array
     float* d_c_row = d_c + static_cast<size_t>(r) * hidden;
     for_units(first, end, [&](int j, Lanes at) {
       const float* slots = saved + layout.at(step, r, 0, j);
-      const float* c_prev = continues ? saved + layout.at(*earlier, r, 4, j) : c0_row + j;
+      const float* c_prev = continues(earlier, r) ? saved + layout.at(*earlier, r, 4, j) : c0_row + j;
       const int units = layout.units;
       auto d_c_j = at(d_c_row + j);
       decltype(d_c_j) d_i, d_f, d_g, d_o;
@@ -413,8 +416,7 @@ void gru_gate_backward(const std::vector<mx::array>& ins, std::vector<mx::array>
   const float* saved = ins[1].data<float>();
   for (int r = first_row; r < std::min(end_row, step.rows); ++r) {
     const int row = step.first + r;
-    const float* h_prev = earlier != nullptr && r < earlier->rows ? row_of(ins[2], earlier->first + r)
-                                                                  : row_of(ins[3], r);
+    const float* h_prev = continues(earlier, r) ? row_of(ins[2], earlier->first + r) : row_of(ins[3], r);
     const float* d_output = row_of(ins[4], row);
     float* d_input = row_of(outs[0], row);
     float* d_hidden = row_of(outs[1], row);
@@ -1344,7 +1346,7 @@ mx::array previous_states_product(const Loop& loop, const mx::array& d_gates, co
   for (const Step& step : loop.steps) {
     const Step* earlier = earlier_step(loop, step);
     for (int r = 0; r < step.rows; ++r) {
-      source[step.first + r] = earlier != nullptr && r < earlier->rows ? batch + earlier->first + r : r;
+      source[step.first + r] = continues(earlier, r) ? batch + earlier->first + r : r;
     }
   }
   const mx::array states = mx::take(mx::concatenate({h0, output}, 0, s),
