@@ -239,6 +239,16 @@ inline int64_t threaded_blas_calls() {
 // the 7.4 ms watch / none: LSTM at (T, B, D, H) = (35, 20, 650, 650) 16.9-46.4 / 17.1-20.7 ms, GRU at
 // (200, 64, 128, 128) 27.5-97.7 / 23.4-26.6, GRU at (100, 32, 256, 512) 46.2-53.1 / 34.6-40.1; forwards
 // alike; but 50 streamed LSTMCell steps at H = 512, 4.0-5.2 / 4.9-7.0 ms.
+//
+// A worker woken from its sleep onto the caller's CPU moves off it (leave_caller_cpu).  After the process was
+// idle (as the benchmark harness times each call), the kernel often woke the worker there on a 2-core virtual
+// machine (the other CPU still running the Python thread that was about to wait), and the team of two then
+// took turns on one CPU at every step: a call of the one-sequence LSTM below had about 60 involuntary
+// context switches, 1 with the move.  Timed after the harness's settle, 2-core Sapphire Rapids, (T, B, D, H)
+// = (50, 1, 64, 256) forward, three alternated processes: LSTM 3.2-3.3 -> 1.26-1.42 ms, GRU 3.0-3.2 ->
+// 1.07-1.20 (0.5-0.6 ms called back to back; torch 1.2-1.8); batch shapes unchanged.  A worker that catches
+// its job during the watch stays where it is: moving it then too made 50 streamed GRU steps at H = 512 slower
+// in two runs of three (236-316 us a step against 158-171).
 class Workers {
  public:
   // A type-erased body(part).
@@ -277,14 +287,17 @@ class Workers {
         for (unsigned taken = 0;; ++taken) {
           const int64_t blas_calls = threaded_blas_calls();
           const auto watch_end = std::chrono::steady_clock::now() + kWatchTime;
+          bool watched = true;  // whether the job came during the watch, not while the worker slept
           for (int spins = 1; sleeper->posted.load(std::memory_order_relaxed) == taken; ++spins) {
             if (spins % kCheckEvery == 0 &&  // the watch is over, or a threaded product needs this core
                 (std::chrono::steady_clock::now() > watch_end || threaded_blas_calls() != blas_calls)) {
+              watched = sleeper->posted.load(std::memory_order_relaxed) != taken;
               break;
             }
             spin_pause();
           }
           sleeper->wake.acquire();  // at once where the job was posted
+          if (!watched) leave_caller_cpu(part);
           fesetenv(&environment_);
           job_.call(job_.body, part);
           if (running_.fetch_sub(1, std::memory_order_acq_rel) == 1) done_.release();
@@ -293,6 +306,7 @@ class Workers {
       sleepers_.push_back(std::move(sleeper));
     }
     job_ = job;
+    caller_cpu_.store(sched_getcpu(), std::memory_order_relaxed);
     fegetenv(&environment_);
     running_.store(parts - 1, std::memory_order_relaxed);
     for (int part = 1; part < parts; ++part) {
@@ -311,6 +325,24 @@ class Workers {
     return workers;
   }
 
+  // A worker woken onto the CPU its caller runs on moves to another CPU it may run on, the part-th after the
+  // caller's: its affinity narrowed to that CPU (the kernel moves it at once), then restored (it stays there
+  // until the scheduler's own balancing moves it).
+  void leave_caller_cpu(int part) {
+    const int caller = caller_cpu_.load(std::memory_order_relaxed);
+    if (caller < 0 || caller >= CPU_SETSIZE || sched_getcpu() != caller) return;
+    cpu_set_t allowed, one;
+    if (sched_getaffinity(0, sizeof(allowed), &allowed) != 0) return;
+    for (int cpu = (caller + 1) % CPU_SETSIZE, found = 0; cpu != caller; cpu = (cpu + 1) % CPU_SETSIZE) {
+      if (!CPU_ISSET(cpu, &allowed) || ++found < part) continue;
+      CPU_ZERO(&one);
+      CPU_SET(cpu, &one);
+      if (sched_setaffinity(0, sizeof(one), &one) == 0) sched_setaffinity(0, sizeof(allowed), &allowed);
+      return;
+    }
+  }
+
+  std::atomic<int> caller_cpu_{-1};  // the CPU the last job was posted from
   static constexpr std::chrono::microseconds kWatchTime{1000};
   static constexpr int kCheckEvery = 64;  // pauses between looks at the clock and the BLAS shim's count
   std::atomic<bool> taken_{false};  // a flag, not a mutex: a part that runs a loop of its own may ask again
