@@ -555,9 +555,10 @@ void run_team(int threads, Body body) {
 // small: OpenBLAS repacks all of w_hh on every call and, for a product this size, spends more time
 // around it than in it.  Here w_hh is packed once per sequence into blocks of kUnits hidden units (one
 // vector: 16 with AVX-512, 8 with AVX2): block b holds, for every k, the weights of units
-// kUnits b .. kUnits (b + 1) - 1 of every gate (LSTM: i, f, g, o, kTile = 4 kUnits columns; GRU: r, z, n
-// and kUnits zero columns, a quarter of its FMAs wasted for the same tile), so one register tile of (up
-// to kRowsPerTile rows) x kTile accumulates all gates of a block's units, and the gate math runs on
+// kUnits b .. kUnits (b + 1) - 1 of every gate (LSTM: i, f, g, o, kTile = 4 kUnits columns; GRU: r, z, n,
+// 3 kUnits columns with AVX-512, and with AVX2 kUnits zero columns more, a quarter of its FMAs wasted for
+// AVX2's tile of two-vector halves: kGruTileSlots), so one register tile of (up
+// to kRowsPerTile rows) x the block's columns accumulates all gates of a block's units, and the gate math runs on
 // the tile (the "epilogue"), one vector per gate and row: the gates' products never go through memory.
 // Per k and row the tile broadcasts one h and multiplies it into the kTile columns (tile_product).
 // Used where the build has AVX2 and FMA and runs_packed says so; otherwise the OpenBLAS loops below
@@ -569,6 +570,13 @@ void run_team(int threads, Body body) {
 // once per backward into blocks of kTile columns of H (pack_column_blocks), K = G H.
 #if defined(__AVX2__) && defined(__FMA__)
 constexpr int kUnits = simd::kLanes, kTile = 4 * kUnits;  // one block: kUnits units x 4 gates
+// The gate slots of a GRU's block: 3 (r, z, n) where the tile takes any number of vectors (AVX-512), else 4,
+// the fourth zero (AVX2's tile runs in halves of two vectors).
+#if defined(__AVX512F__)
+constexpr int kGruTileSlots = 3;
+#else
+constexpr int kGruTileSlots = 4;
+#endif
 constexpr int kRowsPerTile = 6;
 constexpr int kPackedMinSteps = 4;
 
@@ -588,18 +596,20 @@ class AlignedFloats {
   float* data_;
 };
 
-// Blocks [first, end) of w (G H, K), G = 4 (LSTM) or 3 (GRU), packed into (blocks, K, kTile):
-// packed[b][k][g kUnits + u] = w[g H + kUnits b + u][k] for the G gates; zero past H and in the GRU's
-// unused fourth slot.  Row k of a block is written whole, from one float of each of its kTile source rows.
+// Blocks [first, end) of w (G H, K), G = gate_count: 4 (LSTM) or 3 (GRU), packed into (blocks, K, slots kUnits):
+// packed[b][k][g kUnits + u] = w[g H + kUnits b + u][k] for the G gates; zero past H and in slots past G (the
+// GRU's fourth with AVX2).  Row k of a block is written whole, from one float of each of its source rows.
 // w is w_hh (K = H) or, where an LSTM's loop computes its input side, w_ih (K = D).
 // Each thread of a packed loop packs the blocks it multiplies by (they then sit in its own caches).
-void pack_gate_blocks(const float* w, int hidden, int depth, int gate_count, int first, int end, float* packed) {
+void pack_gate_blocks(const float* w, int hidden, int depth, int gate_count, int slots, int first, int end,
+                      float* packed) {
+  const int width = slots * kUnits;
   for (int b = first; b < end; ++b) {
     const int units = std::min(kUnits, hidden - b * kUnits);
-    float* block = packed + static_cast<size_t>(b) * depth * kTile;
+    float* block = packed + static_cast<size_t>(b) * depth * width;
     for (int k = 0; k < depth; ++k) {
-      float* row = block + static_cast<size_t>(k) * kTile;
-      for (int g = 0; g < 4; ++g) {
+      float* row = block + static_cast<size_t>(k) * width;
+      for (int g = 0; g < slots; ++g) {
         const float* source = w + (static_cast<size_t>(g) * hidden + static_cast<size_t>(b) * kUnits) * depth + k;
         for (int u = 0; u < kUnits; ++u) {
           row[g * kUnits + u] = g < gate_count && u < units ? source[static_cast<size_t>(u) * depth] : 0.0f;
@@ -622,33 +632,38 @@ void pack_column_blocks(const float* w, int depth, int width, int first, int end
   }
 }
 
-// tile (ROWS, kTile) = a[ROWS rows of stride lda, depth columns] @ block (depth, kTile), or with resume
+// tile (ROWS, SLOTS kUnits) = a[ROWS rows of stride lda, depth columns] @ block (depth, SLOTS kUnits), or with resume
 // tile += that product: the accumulators start from the tile, so a product taken in chunks of depth adds
 // its products in the same order, and rounds the same, as one taken whole.
 #if defined(__AVX512F__)
-// AVX-512 (32 registers): per k the block's 64 columns as 4 vectors, loaded once, and ROWS <= 6 broadcasts
-// into 4 ROWS accumulators: 24 FMAs per 10 loads.  (Blocks of 8 units, 32 columns in 2 vectors x 8 rows,
-// took 10 loads per 16 FMAs: their product ran 7-11% slower alone, on a 2-core Sapphire Rapids.)
-template <int ROWS>
+// AVX-512 (32 registers): per k the block's SLOTS vectors of 16 columns (4 for the LSTM, 3 for the GRU),
+// loaded once, and ROWS <= 6 broadcasts into SLOTS ROWS accumulators: the LSTM's 24 FMAs per 10 loads.
+// (Blocks of 8 units, 32 columns in 2 vectors x 8 rows, took 10 loads per 16 FMAs: their product ran
+// 7-11% slower alone, on a 2-core Sapphire Rapids.)  The GRU's three slots instead of four with a zero one
+// (the loop alone, three alternated processes, 2-core Sapphire Rapids, ms): (T, B, H) = (100, 32, 512)
+// 27.1-27.9 -> 20.6-22.2, (35, 20, 650) 10.4-10.9 -> 8.0-8.1, (200, 64, 128) 8.5-8.6 -> 7.3-8.5, (50, 1,
+// 256) 0.36-0.37 -> 0.31-0.33; the LSTM's loop unchanged by the template (27.6-28.3 / 27.3-27.8 ms at (100, 32,
+// 512)).
+template <int ROWS, int SLOTS>
 inline void tile_product(const float* a, int lda, int depth, const float* block, float* tile, bool resume) {
-  __m512 acc[ROWS][4];
+  constexpr int width = SLOTS * kUnits;
+  __m512 acc[ROWS][SLOTS];
   for (int r = 0; r < ROWS; ++r) {
-    for (int v = 0; v < 4; ++v) acc[r][v] = resume ? _mm512_loadu_ps(tile + r * kTile + 16 * v) : _mm512_setzero_ps();
+    for (int v = 0; v < SLOTS; ++v) {
+      acc[r][v] = resume ? _mm512_loadu_ps(tile + r * width + 16 * v) : _mm512_setzero_ps();
+    }
   }
   for (int k = 0; k < depth; ++k) {
-    const float* w = block + static_cast<size_t>(k) * kTile;
-    const __m512 w0 = _mm512_loadu_ps(w), w1 = _mm512_loadu_ps(w + 16);
-    const __m512 w2 = _mm512_loadu_ps(w + 32), w3 = _mm512_loadu_ps(w + 48);
+    const float* w = block + static_cast<size_t>(k) * width;
+    __m512 weights[SLOTS];
+    for (int v = 0; v < SLOTS; ++v) weights[v] = _mm512_loadu_ps(w + 16 * v);
     for (int r = 0; r < ROWS; ++r) {
       const __m512 x = _mm512_set1_ps(a[static_cast<size_t>(r) * lda + k]);
-      acc[r][0] = _mm512_fmadd_ps(x, w0, acc[r][0]);
-      acc[r][1] = _mm512_fmadd_ps(x, w1, acc[r][1]);
-      acc[r][2] = _mm512_fmadd_ps(x, w2, acc[r][2]);
-      acc[r][3] = _mm512_fmadd_ps(x, w3, acc[r][3]);
+      for (int v = 0; v < SLOTS; ++v) acc[r][v] = _mm512_fmadd_ps(x, weights[v], acc[r][v]);
     }
   }
   for (int r = 0; r < ROWS; ++r) {
-    for (int v = 0; v < 4; ++v) _mm512_storeu_ps(tile + r * kTile + 16 * v, acc[r][v]);
+    for (int v = 0; v < SLOTS; ++v) _mm512_storeu_ps(tile + r * width + 16 * v, acc[r][v]);
   }
 }
 #else
@@ -656,8 +671,9 @@ inline void tile_product(const float* a, int lda, int depth, const float* block,
 // ROWS <= 6 broadcasts into 12 accumulators: 12 FMAs per 8 loads (all 32 columns at once, 3 rows, took 15
 // loads per 12 FMAs and ran at half the rate).  One row has too few accumulators in a half for the FMAs'
 // latency: it takes all 32 columns at once, 4 accumulators.
-template <int ROWS>
+template <int ROWS, int SLOTS>
 inline void tile_product(const float* a, int lda, int depth, const float* block, float* tile, bool resume) {
+  static_assert(SLOTS == 4, "AVX2's tile takes four slots of 8 units");
   for (int half = 0; half < 2; ++half) {
     __m256 acc[ROWS][2];
     for (int r = 0; r < ROWS; ++r) {
@@ -682,7 +698,7 @@ inline void tile_product(const float* a, int lda, int depth, const float* block,
 }
 
 template <>
-inline void tile_product<1>(const float* a, int, int depth, const float* block, float* tile, bool resume) {
+inline void tile_product<1, 4>(const float* a, int, int depth, const float* block, float* tile, bool resume) {
   __m256 acc[4];
   for (int v = 0; v < 4; ++v) acc[v] = resume ? _mm256_loadu_ps(tile + 8 * v) : _mm256_setzero_ps();
   for (int k = 0; k < depth; ++k) {
@@ -694,18 +710,20 @@ inline void tile_product<1>(const float* a, int, int depth, const float* block, 
 }
 #endif
 
+template <int SLOTS>
 inline void tile_product(int rows, const float* a, int lda, int depth, const float* block, float* tile, bool resume) {
   switch (rows) {
-    case 6: return tile_product<6>(a, lda, depth, block, tile, resume);
-    case 5: return tile_product<5>(a, lda, depth, block, tile, resume);
-    case 4: return tile_product<4>(a, lda, depth, block, tile, resume);
-    case 3: return tile_product<3>(a, lda, depth, block, tile, resume);
-    case 2: return tile_product<2>(a, lda, depth, block, tile, resume);
-    default: return tile_product<1>(a, lda, depth, block, tile, resume);
+    case 6: return tile_product<6, SLOTS>(a, lda, depth, block, tile, resume);
+    case 5: return tile_product<5, SLOTS>(a, lda, depth, block, tile, resume);
+    case 4: return tile_product<4, SLOTS>(a, lda, depth, block, tile, resume);
+    case 3: return tile_product<3, SLOTS>(a, lda, depth, block, tile, resume);
+    case 2: return tile_product<2, SLOTS>(a, lda, depth, block, tile, resume);
+    default: return tile_product<1, SLOTS>(a, lda, depth, block, tile, resume);
   }
 }
 
-// The rows (rows, kTile) = a[rows of stride lda, depth columns] @ block (depth, kTile), in tiles of up to
+// The rows (rows, SLOTS kUnits: kTile for the LSTM and the backward) = a[rows of stride lda, depth columns] @
+// block (depth, SLOTS kUnits), in tiles of up to
 // kRowsPerTile rows (spread evenly: no thin last tile), taken in chunks of kDepthChunk: a chunk of the block
 // (16 KB with AVX2, 32 KB with AVX-512) stays in L1 while every tile reads it, where a whole block (AVX2, depth
 // 512: 64 KB; the backward's depth 2,048: 256 KB) would stream from L2 once per tile.  The chunks resume the
@@ -715,17 +733,18 @@ inline void tile_product(int rows, const float* a, int lda, int depth, const flo
 constexpr int kDepthChunk = 128;
 // Each tile's rows are finished by its last chunk: epilogue(first row, rows) then runs on them, while they are in
 // L1, and its work (gate math: divides and dependent chains) overlaps the next tile's FMAs in the core.
-template <class Epilogue>
+template <int SLOTS = 4, class Epilogue>
 inline void rows_product(int rows, const float* a, int lda, int depth, const float* block, float* out,
                          Epilogue epilogue) {
+  constexpr int width = SLOTS * kUnits;
   const int tiles = (rows + kRowsPerTile - 1) / kRowsPerTile;
   for (int k = 0; k < depth; k += kDepthChunk) {
     const int chunk = std::min(kDepthChunk, depth - k);
     const bool last = k + chunk == depth;
     for (int t = 0; t < tiles; ++t) {
       const int r0 = rows * t / tiles, count = rows * (t + 1) / tiles - r0;
-      tile_product(count, a + static_cast<size_t>(r0) * lda + k, lda, chunk, block + static_cast<size_t>(k) * kTile,
-                   out + static_cast<size_t>(r0) * kTile, k > 0);
+      tile_product<SLOTS>(count, a + static_cast<size_t>(r0) * lda + k, lda, chunk,
+                          block + static_cast<size_t>(k) * width, out + static_cast<size_t>(r0) * width, k > 0);
       if (last) epilogue(r0, count);
     }
   }
@@ -854,23 +873,26 @@ struct InputSide {
   int depth = 0;
 };
 
-template <class GateMath>
+template <int SLOTS, class GateMath>
 void packed_steps(const Loop& loop, int batch, int hidden, int gates, const float* w_hh, const mx::array& x_gates,
                   float* h, float* h_next, GateMath gate_math, InputSide input = {}) {
+  constexpr int width = SLOTS * kUnits;  // a block's columns: its gates' slots
   const int blocks = (hidden + kUnits - 1) / kUnits, depth = input.depth;
   const int groups = team_size(batch, hidden, blocks), parts = row_parts(batch, hidden, groups);
-  AlignedFloats packed(static_cast<size_t>(blocks) * hidden * kTile);
-  AlignedFloats packed_ih(input.x != nullptr ? static_cast<size_t>(blocks) * depth * kTile : 0);
+  AlignedFloats packed(static_cast<size_t>(blocks) * hidden * width);
+  AlignedFloats packed_ih(input.x != nullptr ? static_cast<size_t>(blocks) * depth * width : 0);
   run_team(groups * parts, [&](int thread, int, StepBarrier& barrier) {
     const int part = thread % parts;
     const auto [first_block, end_block] = share_of(0, blocks, thread / parts, groups);
     const auto rows_of = [&](const Step& step) { return share_of(0, step.rows, part, parts); };  // this thread's
     const auto [pack_from, pack_end] = share_of(first_block, end_block, part, parts);  // the group packs its blocks
-    pack_gate_blocks(w_hh, hidden, hidden, gates, pack_from, pack_end, packed.data());
-    if (input.x != nullptr) pack_gate_blocks(input.w_ih, hidden, depth, gates, pack_from, pack_end, packed_ih.data());
+    pack_gate_blocks(w_hh, hidden, hidden, gates, SLOTS, pack_from, pack_end, packed.data());
+    if (input.x != nullptr) {
+      pack_gate_blocks(input.w_ih, hidden, depth, gates, SLOTS, pack_from, pack_end, packed_ih.data());
+    }
     if (parts > 1) barrier.wait(thread);  // each thread reads blocks that others of its group packed
-    AlignedFloats products(static_cast<size_t>(batch) * kTile);  // a block's products for every row of a step
-    AlignedFloats input_products(input.x != nullptr ? static_cast<size_t>(batch) * kTile : 0);  // and x's
+    AlignedFloats products(static_cast<size_t>(batch) * width);  // a block's products for every row of a step
+    AlignedFloats input_products(input.x != nullptr ? static_cast<size_t>(batch) * width : 0);  // and x's
     float *current = h, *next = h_next;
     for (size_t s = 0; s < loop.steps.size(); ++s) {
       const Step& step = loop.steps[s];
@@ -882,19 +904,19 @@ void packed_steps(const Loop& loop, int batch, int hidden, int gates, const floa
       const int ahead_first = ahead.first, ahead_end = ahead.second;
       for (int n = 0; n < end_block - first_block; ++n) {
         const int b = block_in_turn(first_block, end_block, n, s);
-        const float* block = packed.data() + static_cast<size_t>(b) * hidden * kTile;
+        const float* block = packed.data() + static_cast<size_t>(b) * hidden * width;
         const int unit = b * kUnits, units = std::min(kUnits, hidden - unit);
         const auto ask = [&](int r) { prefetch_row(row_of(x_gates, coming->first + r) + unit, hidden, gates); };
         if (input.x != nullptr) {  // the input side: x[rows] @ the block's w_ih, for gate_math beside h's product
-          rows_product(end_row - first_row, input.x + (static_cast<size_t>(step.first) + first_row) * depth, depth,
-                       depth, packed_ih.data() + static_cast<size_t>(b) * depth * kTile, input_products.data(),
-                       [&](int, int) { barrier.progress(thread); });
+          rows_product<SLOTS>(end_row - first_row, input.x + (static_cast<size_t>(step.first) + first_row) * depth,
+                              depth, depth, packed_ih.data() + static_cast<size_t>(b) * depth * width,
+                              input_products.data(), [&](int, int) { barrier.progress(thread); });
         }
-        rows_product(end_row - first_row, current + static_cast<size_t>(first_row) * hidden, hidden, hidden, block,
-                     products.data(), [&](int first, int count) {
+        rows_product<SLOTS>(end_row - first_row, current + static_cast<size_t>(first_row) * hidden, hidden, hidden,
+                            block, products.data(), [&](int first, int count) {
                        barrier.progress(thread);
                        for (int i = first; i < first + count; ++i) {
-                         const size_t at = static_cast<size_t>(i) * kTile;
+                         const size_t at = static_cast<size_t>(i) * width;
                          gate_math(step, first_row + i, unit, units, products.data() + at,
                                    input.x != nullptr ? input_products.data() + at : nullptr, current, next);
                          if (ahead_first + i < ahead_end) ask(ahead_first + i);
@@ -930,8 +952,8 @@ void lstm_forward_packed(std::vector<mx::array>& ins, std::vector<mx::array>& ou
                    c + static_cast<size_t>(r) * hidden + unit, next + static_cast<size_t>(r) * hidden + unit,
                    row_of(outs[0], step.first + r) + unit, save ? saved + layout.at(step, r, 0, unit) : nullptr);
   };
-  packed_steps(loop, batch, hidden, 4, ins[1].data<float>(), ins[0], h.data(), h_next.data(), gate_math,
-               input);
+  packed_steps<4>(loop, batch, hidden, 4, ins[1].data<float>(), ins[0], h.data(), h_next.data(), gate_math,
+                  input);
   final_states(loop, outs[0], outs[1].data<float>());
 }
 
@@ -972,7 +994,8 @@ void gru_forward_packed(std::vector<mx::array>& ins, std::vector<mx::array>& out
                   acc, current + at, next + at, row_of(outs[0], row) + unit,
                   save ? saved + layout.at(step, r, 0, unit) : nullptr);
   };
-  packed_steps(loop, batch, hidden, 3, ins[1].data<float>(), ins[0], h.data(), h_next.data(), gate_math);
+  packed_steps<kGruTileSlots>(loop, batch, hidden, 3, ins[1].data<float>(), ins[0], h.data(), h_next.data(),
+                              gate_math);
   final_states(loop, outs[0], outs[1].data<float>());
 }
 
@@ -1051,15 +1074,19 @@ void gru_backward_packed(std::vector<mx::array>& ins, std::vector<mx::array>& ou
 // 57 -> 57; GRU (100, 32, 512) 47 -> 36.
 bool runs_packed_backward(const Loop& loop) { return static_cast<int>(loop.steps.size()) >= kPackedMinSteps; }
 
-// Whether a forward runs on packed weights: enough steps to repay the packing, and for the GRU (a quarter
-// of its tile's FMAs are the zero slot's) a team of threads to run it.  Measured in a layer on a 2-core
-// Zen 3 (AVX2), OpenBLAS's workers then spinning for 2^20 cycles: the LSTM packed ahead at every size, from
-// (B, H) = (1, 256) to (20, 650); the GRU packed on two threads ahead from (64, 128) to (20, 650), on
-// one thread behind at (1, 256) (which now has a team: see team_size).
+// Whether a forward runs on packed weights: enough steps to repay the packing, and for the GRU on AVX2 (a
+// quarter of its tile's FMAs are the zero slot's: kGruTileSlots) a team of threads to run it.  Measured in a
+// layer on a 2-core Zen 3 (AVX2), OpenBLAS's workers then spinning for 2^20 cycles: the LSTM packed ahead at
+// every size, from (B, H) = (1, 256) to (20, 650); the GRU packed on two threads ahead from (64, 128) to
+// (20, 650), on one thread behind at (1, 256) (which now has a team: see team_size).  With AVX-512's
+// three-slot tile the GRU's packed loop on one thread is ahead too (the loop alone, 2-core Sapphire Rapids,
+// three alternated processes, us: (T, B, H) = (100, 2, 64) 205-213 -> 146-149, (100, 8, 64) 714-764 ->
+// 303-315, (100, 16, 96) 1,991-2,068 -> 966-1,004, (50, 1, 64) 139-147 -> 105-114, (100, 4, 32) 171-181 ->
+// 136-142, (100, 32, 64) 1,597-1,631 -> 1,003-1,012).
 bool runs_packed(const Loop& loop, int batch, int hidden, int gate_count) {
   const int blocks = (hidden + kUnits - 1) / kUnits;
   return static_cast<int>(loop.steps.size()) >= kPackedMinSteps &&
-         (gate_count == 4 || team_size(batch, hidden, blocks) > 1);
+         (gate_count == 4 || kGruTileSlots == 3 || team_size(batch, hidden, blocks) > 1);
 }
 #endif
 
