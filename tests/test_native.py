@@ -211,10 +211,9 @@ def primitive_call(kind: str, batch_sizes, reverse: bool):
 @pytest.mark.parametrize("longest", [12, 3])
 def test_a_bias_passed_apart_gives_the_bits_of_the_bias_added_first(kind, hidden_size, reverse, longest):
     """The layers pass x W_ih^T and its bias apart (the loops add the bias as they read each row): every loop
-    gives the bits of x_gates with the bias added first (the OpenBLAS loops: every RNN, the GRU on one thread,
-    any sequence of fewer than 4 steps; the packed ones: the LSTM from 4 steps, the GRU where a step passes 4M
-    multiply-adds, as at H = 240 with two threads), and the bias's gradient is every row's gradient of x_gates
-    summed."""
+    gives the bits of x_gates with the bias added first (the OpenBLAS loops: every RNN, any sequence of fewer
+    than 4 steps; the packed ones: the LSTM and the GRU from 4 steps), and the bias's gradient is every row's
+    gradient of x_gates summed."""
     lengths = [longest] * 9 + [longest - 1] * 5 + [1]
     batch_sizes = packed_batch_sizes(lengths)
     rows, batch, seed = sum(batch_sizes), batch_sizes[0], hidden_size

@@ -555,12 +555,11 @@ void run_team(int threads, Body body) {
 // small: OpenBLAS repacks all of w_hh on every call and, for a product this size, spends more time
 // around it than in it.  Here w_hh is packed once per sequence into blocks of kUnits hidden units (one
 // vector: 16 with AVX-512, 8 with AVX2): block b holds, for every k, the weights of units
-// kUnits b .. kUnits (b + 1) - 1 of every gate (LSTM: i, f, g, o, kTile = 4 kUnits columns; GRU: r, z, n,
-// 3 kUnits columns with AVX-512, and with AVX2 kUnits zero columns more, a quarter of its FMAs wasted for
-// AVX2's tile of two-vector halves: kGruTileSlots), so one register tile of (up
-// to kRowsPerTile rows) x the block's columns accumulates all gates of a block's units, and the gate math runs on
+// kUnits b .. kUnits (b + 1) - 1 of every gate, one slot of kUnits columns each (LSTM: i, f, g, o, kTile =
+// 4 kUnits columns; GRU: r, z, n, 3 kUnits), so one register tile of (up to rows_per_tile_of(slots) rows) x
+// the block's columns accumulates all gates of a block's units, and the gate math runs on
 // the tile (the "epilogue"), one vector per gate and row: the gates' products never go through memory.
-// Per k and row the tile broadcasts one h and multiplies it into the kTile columns (tile_product).
+// Per k and row the tile broadcasts one h and multiplies it into the block's columns (tile_product).
 // Used where the build has AVX2 and FMA and runs_packed says so; otherwise the OpenBLAS loops below
 // run.  Same math, other summation order: the results agree with the OpenBLAS loops to float32
 // rounding.  AVX2 and AVX-512 builds give the same bits: each output adds its products in the order
@@ -570,18 +569,15 @@ void run_team(int threads, Body body) {
 // once per backward into blocks of kTile columns of H (pack_column_blocks), K = G H.
 #if defined(__AVX2__) && defined(__FMA__)
 constexpr int kUnits = simd::kLanes, kTile = 4 * kUnits;  // one block: kUnits units x 4 gates
-// The gate slots of a GRU's block: 3 (r, z, n) where the tile takes any number of vectors (AVX-512), else 4,
-// the fourth zero (AVX2's tile runs in halves of two vectors).
-#if defined(__AVX512F__)
-constexpr int kGruTileSlots = 3;
-#else
-constexpr int kGruTileSlots = 4;
-#endif
 constexpr int kRowsPerTile = 6;
 // The rows of a tile of `slots` vectors: 8 for the GRU's three (the loop alone, 2-core Sapphire Rapids, three
 // alternated processes, ms: (T, B, H) = (100, 32, 512) 20.3-21.9 -> 19.2-19.7, (35, 20, 650) 7.9-8.6 ->
 // 7.4-7.9, (200, 64, 128) 6.9-7.1 -> 6.5-7.2).
+#if defined(__AVX512F__)
 constexpr int rows_per_tile_of(int slots) { return slots == 3 ? 8 : kRowsPerTile; }
+#else
+constexpr int rows_per_tile_of(int slots) { return slots == 3 ? 4 : kRowsPerTile; }  // 12 accumulators of 16
+#endif
 constexpr int kPackedMinSteps = 4;
 
 // count floats on a 64-byte boundary (the packed weights, the tiles' products): a tile's vector loads then
@@ -672,32 +668,33 @@ inline void tile_product(const float* a, int lda, int depth, const float* block,
   }
 }
 #else
-// AVX2 (16 registers): the tile as two halves of 16 columns, each 2 vectors of weights loaded once per k and
-// ROWS <= 6 broadcasts into 12 accumulators: 12 FMAs per 8 loads (all 32 columns at once, 3 rows, took 15
+// AVX2 (16 registers): the LSTM's tile as two halves of 16 columns, each 2 vectors of weights loaded once per k
+// and ROWS <= 6 broadcasts into 12 accumulators: 12 FMAs per 8 loads (all 32 columns at once, 3 rows, took 15
 // loads per 12 FMAs and ran at half the rate).  One row has too few accumulators in a half for the FMAs'
-// latency: it takes all 32 columns at once, 4 accumulators.
+// latency: it takes all 32 columns at once, 4 accumulators.  The GRU's 24 columns go at once: 3 vectors and
+// ROWS <= 4 broadcasts into 12 accumulators, 12 FMAs per 7 loads.
 template <int ROWS, int SLOTS>
 inline void tile_product(const float* a, int lda, int depth, const float* block, float* tile, bool resume) {
-  static_assert(SLOTS == 4, "AVX2's tile takes four slots of 8 units");
-  for (int half = 0; half < 2; ++half) {
-    __m256 acc[ROWS][2];
+  static_assert(SLOTS == 3 || SLOTS == 4, "a block has the GRU's 3 or the LSTM's 4 slots");
+  constexpr int width = SLOTS * kUnits, vectors = SLOTS == 3 ? 3 : 2, parts = SLOTS == 3 ? 1 : 2;
+  for (int part = 0; part < parts; ++part) {  // the GRU's one pass, the LSTM's two halves
+    __m256 acc[ROWS][vectors];
     for (int r = 0; r < ROWS; ++r) {
-      for (int v = 0; v < 2; ++v) {
-        acc[r][v] = resume ? _mm256_loadu_ps(tile + r * kTile + 16 * half + 8 * v) : _mm256_setzero_ps();
+      for (int v = 0; v < vectors; ++v) {
+        acc[r][v] = resume ? _mm256_loadu_ps(tile + r * width + 16 * part + 8 * v) : _mm256_setzero_ps();
       }
     }
-    const float* w = block + 16 * half;
-    for (int k = 0; k < depth; ++k, w += kTile) {
-      const __m256 w0 = _mm256_loadu_ps(w), w1 = _mm256_loadu_ps(w + 8);
+    const float* w = block + 16 * part;
+    for (int k = 0; k < depth; ++k, w += width) {
+      __m256 weights[vectors];
+      for (int v = 0; v < vectors; ++v) weights[v] = _mm256_loadu_ps(w + 8 * v);
       for (int r = 0; r < ROWS; ++r) {
         const __m256 x = _mm256_broadcast_ss(a + static_cast<size_t>(r) * lda + k);
-        acc[r][0] = _mm256_fmadd_ps(x, w0, acc[r][0]);
-        acc[r][1] = _mm256_fmadd_ps(x, w1, acc[r][1]);
+        for (int v = 0; v < vectors; ++v) acc[r][v] = _mm256_fmadd_ps(x, weights[v], acc[r][v]);
       }
     }
     for (int r = 0; r < ROWS; ++r) {
-      _mm256_storeu_ps(tile + r * kTile + 16 * half, acc[r][0]);
-      _mm256_storeu_ps(tile + r * kTile + 16 * half + 8, acc[r][1]);
+      for (int v = 0; v < vectors; ++v) _mm256_storeu_ps(tile + r * width + 16 * part + 8 * v, acc[r][v]);
     }
   }
 }
@@ -715,20 +712,14 @@ inline void tile_product<1, 4>(const float* a, int, int depth, const float* bloc
 }
 #endif
 
-template <int SLOTS>
-inline void tile_product(int rows, const float* a, int lda, int depth, const float* block, float* tile, bool resume) {
-  if constexpr (SLOTS == 3) {  // 8 rows of 3 vectors: 24 accumulators, as the LSTM's 6 rows of 4
-    if (rows == 8) return tile_product<8, SLOTS>(a, lda, depth, block, tile, resume);
-    if (rows == 7) return tile_product<7, SLOTS>(a, lda, depth, block, tile, resume);
+// tile_product for rows (1 .. ROWS) rows: ROWS starts at the most a tile of SLOTS vectors takes.
+template <int SLOTS, int ROWS = rows_per_tile_of(SLOTS)>
+inline void tile_product_of_rows(int rows, const float* a, int lda, int depth, const float* block, float* tile,
+                                 bool resume) {
+  if constexpr (ROWS > 1) {
+    if (rows < ROWS) return tile_product_of_rows<SLOTS, ROWS - 1>(rows, a, lda, depth, block, tile, resume);
   }
-  switch (rows) {
-    case 6: return tile_product<6, SLOTS>(a, lda, depth, block, tile, resume);
-    case 5: return tile_product<5, SLOTS>(a, lda, depth, block, tile, resume);
-    case 4: return tile_product<4, SLOTS>(a, lda, depth, block, tile, resume);
-    case 3: return tile_product<3, SLOTS>(a, lda, depth, block, tile, resume);
-    case 2: return tile_product<2, SLOTS>(a, lda, depth, block, tile, resume);
-    default: return tile_product<1, SLOTS>(a, lda, depth, block, tile, resume);
-  }
+  tile_product<ROWS, SLOTS>(a, lda, depth, block, tile, resume);
 }
 
 // The rows (rows, SLOTS kUnits: kTile for the LSTM and the backward) = a[rows of stride lda, depth columns] @
@@ -753,8 +744,8 @@ inline void rows_product(int rows, const float* a, int lda, int depth, const flo
     const bool last = k + chunk == depth;
     for (int t = 0; t < tiles; ++t) {
       const int r0 = rows * t / tiles, count = rows * (t + 1) / tiles - r0;
-      tile_product<SLOTS>(count, a + static_cast<size_t>(r0) * lda + k, lda, chunk,
-                          block + static_cast<size_t>(k) * width, out + static_cast<size_t>(r0) * width, k > 0);
+      tile_product_of_rows<SLOTS>(count, a + static_cast<size_t>(r0) * lda + k, lda, chunk,
+                                  block + static_cast<size_t>(k) * width, out + static_cast<size_t>(r0) * width, k > 0);
       if (last) epilogue(r0, count);
     }
   }
@@ -1004,8 +995,7 @@ void gru_forward_packed(std::vector<mx::array>& ins, std::vector<mx::array>& out
                   acc, current + at, next + at, row_of(outs[0], row) + unit,
                   save ? saved + layout.at(step, r, 0, unit) : nullptr);
   };
-  packed_steps<kGruTileSlots>(loop, batch, hidden, 3, ins[1].data<float>(), ins[0], h.data(), h_next.data(),
-                              gate_math);
+  packed_steps<3>(loop, batch, hidden, 3, ins[1].data<float>(), ins[0], h.data(), h_next.data(), gate_math);
   final_states(loop, outs[0], outs[1].data<float>());
 }
 
@@ -1079,25 +1069,18 @@ void gru_backward_packed(std::vector<mx::array>& ins, std::vector<mx::array>& ou
                         });
 }
 
-// Whether a backward runs on packed weights: enough steps to repay the packing.  Its loop alone, on a
-// 2-core Zen 3 (AVX2): LSTM (T, B, H) = (200, 64, 128) 33 -> 20 ms, (35, 20, 650) 32 -> 26, (100, 32, 512)
-// 57 -> 57; GRU (100, 32, 512) 47 -> 36.
-bool runs_packed_backward(const Loop& loop) { return static_cast<int>(loop.steps.size()) >= kPackedMinSteps; }
-
-// Whether a forward runs on packed weights: enough steps to repay the packing, and for the GRU on AVX2 (a
-// quarter of its tile's FMAs are the zero slot's: kGruTileSlots) a team of threads to run it.  Measured in a
-// layer on a 2-core Zen 3 (AVX2), OpenBLAS's workers then spinning for 2^20 cycles: the LSTM packed ahead at
-// every size, from (B, H) = (1, 256) to (20, 650); the GRU packed on two threads ahead from (64, 128) to
-// (20, 650), on one thread behind at (1, 256) (which now has a team: see team_size).  With AVX-512's
-// three-slot tile the GRU's packed loop on one thread is ahead too (the loop alone, 2-core Sapphire Rapids,
-// three alternated processes, us: (T, B, H) = (100, 2, 64) 205-213 -> 146-149, (100, 8, 64) 714-764 ->
-// 303-315, (100, 16, 96) 1,991-2,068 -> 966-1,004, (50, 1, 64) 139-147 -> 105-114, (100, 4, 32) 171-181 ->
-// 136-142, (100, 32, 64) 1,597-1,631 -> 1,003-1,012).
-bool runs_packed(const Loop& loop, int batch, int hidden, int gate_count) {
-  const int blocks = (hidden + kUnits - 1) / kUnits;
-  return static_cast<int>(loop.steps.size()) >= kPackedMinSteps &&
-         (gate_count == 4 || kGruTileSlots == 3 || team_size(batch, hidden, blocks) > 1);
-}
+// Whether a loop, forward or backward, runs on packed weights: enough steps to repay the packing.  The
+// backward's loop alone, on a 2-core Zen 3 (AVX2): LSTM (T, B, H) = (200, 64, 128) 33 -> 20 ms, (35, 20, 650)
+// 32 -> 26, (100, 32, 512) 57 -> 57; GRU (100, 32, 512) 47 -> 36.  The forward, in a layer on the same
+// machine, OpenBLAS's workers then spinning for 2^20 cycles: the LSTM packed ahead at every size, from
+// (B, H) = (1, 256) to (20, 650).  The GRU's tile then had a fourth, zero slot (a quarter of its FMAs
+// wasted), and ran packed only with a team of threads; with three slots its packed loop is ahead on one thread
+// too (the loop alone, 2-core Sapphire Rapids, alternated processes, us, OpenBLAS loop -> packed: AVX-512
+// (T, B, H) = (100, 2, 64) 205-213 -> 146-149, (100, 8, 64) 714-764 -> 303-315, (100, 16, 96) 1,991-2,068 ->
+// 966-1,004, (50, 1, 64) 139-147 -> 105-114, (100, 32, 64) 1,597-1,631 -> 1,003-1,012; an AVX2 build on
+// the same machine 226-232 -> 201-208, 788-796 -> 457-471, 2,207-2,256 -> 1,529-1,535, 150-155 -> 148-152,
+// 1,868-1,974 -> 1,682-1,699).
+bool runs_packed(const Loop& loop) { return static_cast<int>(loop.steps.size()) >= kPackedMinSteps; }
 #endif
 
 // Whether an LSTM's packed loop computes each step's input side x_t W_ih^T itself (kInputSide), w_ih packed
@@ -1112,9 +1095,9 @@ bool runs_packed(const Loop& loop, int batch, int hidden, int gate_count) {
 // (35, 20, 256, 650) 0.95, (35, 40, 650, 650) 1.00, (35, 20, 512, 650) 1.02, (35, 20, 650, 650) 1.06,
 // (100, 8, 512, 512) 1.15.
 constexpr int kInputDepthPerRow = 8;
-bool computes_input_side(const Loop& loop, int batch, int depth, int hidden) {
+bool computes_input_side(const Loop& loop, int batch, int depth) {
 #if defined(__AVX2__) && defined(__FMA__)
-  return runs_packed(loop, batch, hidden, 4) && depth >= 1 && depth <= kInputDepthPerRow * batch;
+  return runs_packed(loop) && depth >= 1 && depth <= kInputDepthPerRow * batch;
 #else
   return false;
 #endif
@@ -1128,7 +1111,7 @@ bool computes_input_side(const Loop& loop, int batch, int depth, int hidden) {
 //   new c, what the backward reads]
 void lstm_forward(std::vector<mx::array>& ins, std::vector<mx::array>& outs, const Loop& loop) {
 #if defined(__AVX2__) && defined(__FMA__)
-  if ((loop.option & kInputSide) || runs_packed(loop, ins[2].shape(0), ins[2].shape(1), 4)) {
+  if ((loop.option & kInputSide) || runs_packed(loop)) {
     return lstm_forward_packed(ins, outs, loop);  // kInputSide: only where computes_input_side said so
   }
 #endif
@@ -1159,7 +1142,7 @@ void lstm_forward(std::vector<mx::array>& ins, std::vector<mx::array>& outs, con
 // outs: d_x_gates (N, 4H), d_h0, d_c0 (B, H)
 void lstm_backward(std::vector<mx::array>& ins, std::vector<mx::array>& outs, const Loop& loop) {
 #if defined(__AVX2__) && defined(__FMA__)
-  if (runs_packed_backward(loop)) return lstm_backward_packed(ins, outs, loop);
+  if (runs_packed(loop)) return lstm_backward_packed(ins, outs, loop);
 #endif
   const int batch = ins[4].shape(0), hidden = ins[4].shape(1), gates = 4 * hidden;
   float* d_h = outs[1].data<float>();  // the gradients flow back in place in d_h0 and d_c0
@@ -1181,7 +1164,7 @@ void lstm_backward(std::vector<mx::array>& ins, std::vector<mx::array>& outs, co
 //   and the hidden side's n part, W_hn h + b_hn; the backward reads the state before each step from the output]
 void gru_forward(std::vector<mx::array>& ins, std::vector<mx::array>& outs, const Loop& loop) {
 #if defined(__AVX2__) && defined(__FMA__)
-  if (runs_packed(loop, ins[3].shape(0), ins[3].shape(1), 3)) return gru_forward_packed(ins, outs, loop);
+  if (runs_packed(loop)) return gru_forward_packed(ins, outs, loop);
 #endif
   const auto& steps = loop.steps;
   const int option = loop.option;
@@ -1209,7 +1192,7 @@ void gru_forward(std::vector<mx::array>& ins, std::vector<mx::array>& outs, cons
 // outs: d_input_side (N, 3H) (= d_x_gates), d_hidden_side (N, 3H), d_h0 (B, H)
 void gru_backward(std::vector<mx::array>& ins, std::vector<mx::array>& outs, const Loop& loop) {
 #if defined(__AVX2__) && defined(__FMA__)
-  if (runs_packed_backward(loop)) return gru_backward_packed(ins, outs, loop);
+  if (runs_packed(loop)) return gru_backward_packed(ins, outs, loop);
 #endif
   const int batch = ins[5].shape(0), hidden = ins[5].shape(1), gates = 3 * hidden;
   float* d_h = outs[2].data<float>();
@@ -1504,7 +1487,7 @@ std::vector<mx::array> lstm_input_sequence(const mx::array& x, const mx::array& 
   check_array(op, "w_ih", w_ih, {4 * h_, d_});
   check_steps(op, batch_sizes, b_, n_);
   Loop loop{steps_of(batch_sizes, reverse), (save ? kSave : 0) | kInputSide};
-  if (!computes_input_side(loop, b_, d_, h_)) {
+  if (!computes_input_side(loop, b_, d_)) {
     const auto s = seqlib_cpu::cpu_stream();
     return lstm_sequence(mx::matmul(x, mx::transpose(w_ih, s), s), w_hh, h0, c0, batch_sizes, reverse, save, bias);
   }
