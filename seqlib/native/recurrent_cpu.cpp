@@ -556,7 +556,7 @@ void run_team(int threads, Body body) {
 // around it than in it.  Here w_hh is packed once per sequence into blocks of kUnits hidden units (one
 // vector: 16 with AVX-512, 8 with AVX2): block b holds, for every k, the weights of units
 // kUnits b .. kUnits (b + 1) - 1 of every gate, one slot of kUnits columns each (LSTM: i, f, g, o, kTile =
-// 4 kUnits columns; GRU: r, z, n, 3 kUnits), so one register tile of (up to rows_per_tile_of(slots) rows) x
+// 4 kUnits columns; GRU: r, z, n, 3 kUnits), so one register tile of (up to rows_per_tile_of(3 or 4) rows) x
 // the block's columns accumulates all gates of a block's units, and the gate math runs on
 // the tile (the "epilogue"), one vector per gate and row: the gates' products never go through memory.
 // Per k and row the tile broadcasts one h and multiplies it into the block's columns (tile_product).
@@ -596,23 +596,22 @@ class AlignedFloats {
   float* data_;
 };
 
-// Blocks [first, end) of w (G H, K), G = gate_count: 4 (LSTM) or 3 (GRU), packed into (blocks, K, slots kUnits):
-// packed[b][k][g kUnits + u] = w[g H + kUnits b + u][k] for the G gates; zero past H and in slots past G (the
-// GRU's fourth with AVX2).  Row k of a block is written whole, from one float of each of its source rows.
+// Blocks [first, end) of w (G H, K), G = gates: 4 (LSTM) or 3 (GRU), packed into (blocks, K, G kUnits):
+// packed[b][k][g kUnits + u] = w[g H + kUnits b + u][k]; zero past H.  Row k of a block is written whole, from
+// one float of each of its source rows.
 // w is w_hh (K = H) or, where an LSTM's loop computes its input side, w_ih (K = D).
 // Each thread of a packed loop packs the blocks it multiplies by (they then sit in its own caches).
-void pack_gate_blocks(const float* w, int hidden, int depth, int gate_count, int slots, int first, int end,
-                      float* packed) {
-  const int width = slots * kUnits;
+void pack_gate_blocks(const float* w, int hidden, int depth, int gates, int first, int end, float* packed) {
+  const int width = gates * kUnits;
   for (int b = first; b < end; ++b) {
     const int units = std::min(kUnits, hidden - b * kUnits);
     float* block = packed + static_cast<size_t>(b) * depth * width;
     for (int k = 0; k < depth; ++k) {
       float* row = block + static_cast<size_t>(k) * width;
-      for (int g = 0; g < slots; ++g) {
+      for (int g = 0; g < gates; ++g) {
         const float* source = w + (static_cast<size_t>(g) * hidden + static_cast<size_t>(b) * kUnits) * depth + k;
         for (int u = 0; u < kUnits; ++u) {
-          row[g * kUnits + u] = g < gate_count && u < units ? source[static_cast<size_t>(u) * depth] : 0.0f;
+          row[g * kUnits + u] = u < units ? source[static_cast<size_t>(u) * depth] : 0.0f;
         }
       }
     }
@@ -874,10 +873,10 @@ struct InputSide {
   int depth = 0;
 };
 
-template <int SLOTS, class GateMath>
-void packed_steps(const Loop& loop, int batch, int hidden, int gates, const float* w_hh, const mx::array& x_gates,
-                  float* h, float* h_next, GateMath gate_math, InputSide input = {}) {
-  constexpr int width = SLOTS * kUnits;  // a block's columns: its gates' slots
+template <int GATES, class GateMath>
+void packed_steps(const Loop& loop, int batch, int hidden, const float* w_hh, const mx::array& x_gates, float* h,
+                  float* h_next, GateMath gate_math, InputSide input = {}) {
+  constexpr int width = GATES * kUnits;  // a block's columns: kUnits for each gate
   const int blocks = (hidden + kUnits - 1) / kUnits, depth = input.depth;
   const int groups = team_size(batch, hidden, blocks), parts = row_parts(batch, hidden, groups);
   AlignedFloats packed(static_cast<size_t>(blocks) * hidden * width);
@@ -887,9 +886,9 @@ void packed_steps(const Loop& loop, int batch, int hidden, int gates, const floa
     const auto [first_block, end_block] = share_of(0, blocks, thread / parts, groups);
     const auto rows_of = [&](const Step& step) { return share_of(0, step.rows, part, parts); };  // this thread's
     const auto [pack_from, pack_end] = share_of(first_block, end_block, part, parts);  // the group packs its blocks
-    pack_gate_blocks(w_hh, hidden, hidden, gates, SLOTS, pack_from, pack_end, packed.data());
+    pack_gate_blocks(w_hh, hidden, hidden, GATES, pack_from, pack_end, packed.data());
     if (input.x != nullptr) {
-      pack_gate_blocks(input.w_ih, hidden, depth, gates, SLOTS, pack_from, pack_end, packed_ih.data());
+      pack_gate_blocks(input.w_ih, hidden, depth, GATES, pack_from, pack_end, packed_ih.data());
     }
     if (parts > 1) barrier.wait(thread);  // each thread reads blocks that others of its group packed
     AlignedFloats products(static_cast<size_t>(batch) * width);  // a block's products for every row of a step
@@ -907,13 +906,13 @@ void packed_steps(const Loop& loop, int batch, int hidden, int gates, const floa
         const int b = block_in_turn(first_block, end_block, n, s);
         const float* block = packed.data() + static_cast<size_t>(b) * hidden * width;
         const int unit = b * kUnits, units = std::min(kUnits, hidden - unit);
-        const auto ask = [&](int r) { prefetch_row(row_of(x_gates, coming->first + r) + unit, hidden, gates); };
+        const auto ask = [&](int r) { prefetch_row(row_of(x_gates, coming->first + r) + unit, hidden, GATES); };
         if (input.x != nullptr) {  // the input side: x[rows] @ the block's w_ih, for gate_math beside h's product
-          rows_product<SLOTS>(end_row - first_row, input.x + (static_cast<size_t>(step.first) + first_row) * depth,
+          rows_product<GATES>(end_row - first_row, input.x + (static_cast<size_t>(step.first) + first_row) * depth,
                               depth, depth, packed_ih.data() + static_cast<size_t>(b) * depth * width,
                               input_products.data(), [&](int, int) { barrier.progress(thread); });
         }
-        rows_product<SLOTS>(end_row - first_row, current + static_cast<size_t>(first_row) * hidden, hidden, hidden,
+        rows_product<GATES>(end_row - first_row, current + static_cast<size_t>(first_row) * hidden, hidden, hidden,
                             block, products.data(), [&](int first, int count) {
                        barrier.progress(thread);
                        for (int i = first; i < first + count; ++i) {
@@ -953,8 +952,7 @@ void lstm_forward_packed(std::vector<mx::array>& ins, std::vector<mx::array>& ou
                    c + static_cast<size_t>(r) * hidden + unit, next + static_cast<size_t>(r) * hidden + unit,
                    row_of(outs[0], step.first + r) + unit, save ? saved + layout.at(step, r, 0, unit) : nullptr);
   };
-  packed_steps<4>(loop, batch, hidden, 4, ins[1].data<float>(), ins[0], h.data(), h_next.data(), gate_math,
-                  input);
+  packed_steps<4>(loop, batch, hidden, ins[1].data<float>(), ins[0], h.data(), h_next.data(), gate_math, input);
   final_states(loop, outs[0], outs[1].data<float>());
 }
 
@@ -995,7 +993,7 @@ void gru_forward_packed(std::vector<mx::array>& ins, std::vector<mx::array>& out
                   acc, current + at, next + at, row_of(outs[0], row) + unit,
                   save ? saved + layout.at(step, r, 0, unit) : nullptr);
   };
-  packed_steps<3>(loop, batch, hidden, 3, ins[1].data<float>(), ins[0], h.data(), h_next.data(), gate_math);
+  packed_steps<3>(loop, batch, hidden, ins[1].data<float>(), ins[0], h.data(), h_next.data(), gate_math);
   final_states(loop, outs[0], outs[1].data<float>());
 }
 
