@@ -822,7 +822,7 @@ void final_states(const Loop& loop, const mx::array& output, float* h_n) {
 
 // The time loop on packed weights, its blocks of kUnits units shared among groups of threads (team_size),
 // and each step's rows among the threads of a group (row_parts): at each step, for each of its blocks and
-// every tile of up to kRowsPerTile of its rows, each thread computes the tile's product h[rows] @ block and
+// every tile of up to rows_per_tile_of(G) of its rows, each thread computes the tile's product h[rows] @ block and
 // gate_math(step, row, unit, units, tile row, input row, h, h_next) on it, which
 // writes the row's new h for those units into h_next; then the team meets, and h and h_next swap.  Where
 // the loop computes an LSTM's input side (input.x: see computes_input_side), the tiles first take
