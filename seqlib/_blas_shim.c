@@ -31,7 +31,9 @@
  * product with one row or one column (a recurrent step at batch 1: 1 x 4H x H) costs several
  * times its GEMV.  Row-major float32 and float64 products with m == 1 or n == 1 go to GEMV.
  */
+#define _GNU_SOURCE /* sched_getcpu, cpu_set_t */
 #include <pthread.h>
+#include <sched.h>
 #include <stdint.h>
 
 /* CBLAS enums are passed as ints; the values are the same in every CBLAS. */
@@ -52,6 +54,9 @@ extern void scipy_cblas_dgemv(int order, int trans, int m, int n, double alpha, 
 
 extern void scipy_openblas_set_num_threads(int threads);
 extern int scipy_openblas_get_num_threads(void);
+/* Sets the CPUs OpenBLAS's worker thread_idx may run on (its last index, threads - 1, is the caller);
+ * weak: an OpenBLAS without it leaves the workers where the kernel puts them. */
+extern int openblas_setaffinity(int thread_idx, size_t cpusetsize, cpu_set_t *cpu_set) __attribute__((weak));
 
 #define EXPORT __attribute__((visibility("default")))
 #define SMALL_GEMM (1LL << 22) /* multiply-adds: about a millisecond's work on one core */
@@ -68,6 +73,31 @@ static volatile int64_t threaded_calls = 0;
 
 EXPORT int64_t seqlib_blas_shim_threaded_calls(void) { return __atomic_load_n(&threaded_calls, __ATOMIC_RELAXED); }
 
+/* The caller's CPU the workers were last kept off, and how many workers that was (-1, 0: none yet). */
+static int workers_off_cpu = -1, workers_kept_off = 0;
+
+/* OpenBLAS's workers sleep between products (this build does not spin after one), so every threaded
+ * product wakes them, and the kernel may place a woken worker on the CPU of the thread that woke it.
+ * It did so after other threads had kept the other CPUs busy (torch's, between the benchmark harness's
+ * calls): the worker then shared the caller's CPU for the whole product while another CPU idled.  So the
+ * workers may run wherever the caller may, except on the caller's CPU: chapter 13's character model,
+ * H = 128, embedding and LSTM layers forward+backward, each call after torch's step and an idle wait,
+ * 20.6 -> 15.6 ms; called alone 14.4 -> 13.2 (2-core Sapphire Rapids, medians of 21).  Their masks change only when the
+ * caller's CPU does; otherwise a product costs one sched_getcpu (a vDSO call).  seqlib.native's own
+ * workers move off their caller's CPU likewise (Workers::leave_caller_cpu in native/cpu_loop.h). */
+static void keep_workers_off_caller_cpu(int threads) {
+  if (openblas_setaffinity == NULL) return;
+  const int cpu = sched_getcpu();
+  if (cpu < 0 || (cpu == workers_off_cpu && threads - 1 <= workers_kept_off)) return;
+  cpu_set_t allowed;
+  if (sched_getaffinity(0, sizeof allowed, &allowed) != 0 || !CPU_ISSET(cpu, &allowed) || CPU_COUNT(&allowed) < 2) {
+    return;
+  }
+  CPU_CLR(cpu, &allowed);
+  for (int worker = 0; worker < threads - 1; ++worker) openblas_setaffinity(worker, sizeof allowed, &allowed);
+  workers_off_cpu = cpu, workers_kept_off = threads - 1;
+}
+
 /* Before a product: one thread if it is small.  Returns the thread count to restore after it (0:
  * none).  Larger products run on as many threads as OpenBLAS is set to use (OPENBLAS_NUM_THREADS,
  * threadpoolctl, the user): the shim lowers the count for a call, never raises it. */
@@ -75,7 +105,10 @@ static int threads_for(long long multiply_adds) {
   int threads = scipy_openblas_get_num_threads();
   if (multiply_adds >= SMALL_GEMM || threads <= 1) {
     last_call_threads = threads;
-    if (threads > 1) __atomic_add_fetch(&threaded_calls, 1, __ATOMIC_RELAXED);
+    if (threads > 1) {
+      __atomic_add_fetch(&threaded_calls, 1, __ATOMIC_RELAXED);
+      keep_workers_off_caller_cpu(threads);
+    }
     return 0;
   }
   scipy_openblas_set_num_threads(1);

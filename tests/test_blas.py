@@ -272,6 +272,48 @@ def test_small_products_run_on_one_openblas_thread_and_large_ones_on_all_it_may_
 
 
 @linux_only
+def test_openblas_workers_may_run_on_every_cpu_but_the_callers():
+    """A woken OpenBLAS worker placed on its caller's CPU shared it for a whole product while another CPU
+    idled; the shim keeps the workers off the CPU of the thread that calls a threaded product (and only
+    that one), and moves them when the caller moves."""
+    if len(os.sched_getaffinity(0)) < 2:
+        pytest.skip("OpenBLAS has no worker thread on one core")
+    result = run_python("""
+        import ctypes, json, os, numpy as np, scipy_openblas32, seqlib
+        seqlib.route_mlx_blas()
+        openblas = ctypes.CDLL(os.path.join(scipy_openblas32.get_lib_dir(), "libscipy_openblas.so"))
+        shim = ctypes.CDLL(seqlib.blas_status().shim_path)
+        libc = ctypes.CDLL(None)
+        size = 512  # 134 million multiply-adds: a threaded product
+        a, c = np.ones((size, size), np.float32), np.zeros((size, size), np.float32)
+        pointer = lambda array: array.ctypes.data_as(ctypes.c_void_p)
+        shim.cblas_sgemm.argtypes = [ctypes.c_int] * 6 + [ctypes.c_float, ctypes.c_void_p, ctypes.c_int,
+                                     ctypes.c_void_p, ctypes.c_int, ctypes.c_float, ctypes.c_void_p, ctypes.c_int]
+        seen = []
+        for cpu in sorted(os.sched_getaffinity(0))[:2]:  # the caller on one CPU, then on another
+            os.sched_setaffinity(0, {cpu})
+            os.sched_setaffinity(0, set(range(os.cpu_count())))  # free again, but now running on `cpu`
+            for attempt in range(20):
+                before = libc.sched_getcpu()
+                shim.cblas_sgemm(101, 111, 111, size, size, size, 1.0, pointer(a), size, pointer(a), size, 0.0,
+                                 pointer(c), size)
+                if libc.sched_getcpu() == before:
+                    break
+            mask = (ctypes.c_ulong * 16)()
+            assert openblas.openblas_getaffinity(0, ctypes.sizeof(mask), mask) == 0
+            allowed = [i for i in range(os.cpu_count()) if mask[i // 64] >> (i % 64) & 1]
+            seen.append((before, allowed))
+        assert float(c[0, 0]) == size
+        print(json.dumps({"seen": seen, "everywhere": sorted(os.sched_getaffinity(0))}))
+    """, OPENBLAS_NUM_THREADS="2")
+    assert result.returncode == 0, result.stderr
+    report = json.loads(result.stdout)
+    assert len(report["seen"]) == 2
+    for caller, allowed in report["seen"]:
+        assert allowed == [cpu for cpu in report["everywhere"] if cpu != caller]
+
+
+@linux_only
 def test_one_row_or_one_column_products_go_to_gemv_with_every_layout():
     """OpenBLAS's GEMM packs its matrix operand on every call: a 1 x 2048 x 512 product cost 5x its GEMV.
     The shim sends m == 1 and n == 1 to GEMV; every transposition and stride must give the product, and
