@@ -27,7 +27,8 @@ def test_recurrent_suite_runs_validates_and_prints_ratios_against_torch_and_mlx_
     for expected in ("LSTM forward,", "LSTM forward + backward", "GRU forward,", "vs mlx.nn", "torch (1 thread)",
                      "GFLOP of matmuls", "summary", "[ok]", "this machine's limits", "x limit",
                      "training step, character model", "seqlib (compiled)", "compiled / torch",
-                     "the step's parts", "LSTM layers forward+backward (seqlib)", "Adam update (MLX, compiled)",
+                     "the step's parts", "embedding + LSTM layers forward+backward (seqlib)", "Adam update (MLX)",
+                     "cross-entropy forward+backward (MLX)",
                      "MLX buffer cache limit raised", "streaming with 8-bit weights", "8-bit / float"):  # fmt: skip
         assert expected in result.stdout
     assert "MISMATCH" not in result.stdout
@@ -143,3 +144,20 @@ def test_the_limit_columns_divide_by_the_machines_roofline(capsys):
     header = next(line for line in capsys.readouterr().out.splitlines() if "implementation" in line)
     assert header.split()[-4:] == ["limit", "ms", "x", "limit"]
     assert machine.limit_seconds(flops=1e6, bytes_moved=3e6) == pytest.approx(3e-3)  # bandwidth-bound
+
+
+def test_the_training_steps_parts_are_differences_of_its_variants_and_their_losses_match_torch():
+    from seqlib.bench import recurrent_suite
+
+    names = [name for name, _, _ in recurrent_suite.TRAINING_VARIANTS]
+    medians = {f"seqlib (compiled): {name}": time for name, time in zip(names, (20.0, 15.0, 13.5, 12.5), strict=True)}
+    parts = recurrent_suite._training_parts(medians, "seqlib (compiled)")
+    assert list(parts) == list(recurrent_suite.TRAINING_PARTS)
+    assert list(parts.values()) == [5.0, 1.5, 1.0, 12.5]  # three differences, then the last variant's time
+    assert sum(parts.values()) == medians[f"seqlib (compiled): {names[0]}"]
+    case = recurrent_suite.training_parts_case(8)
+    assert len(case.implementations) == 2 * len(names)
+    recurrent_suite.check_training_variants(case)  # seqlib's first loss of every variant against torch's
+    case.implementations[f"torch: {names[1]}"] = lambda: 1.0  # a variant whose loss disagrees
+    with pytest.raises(AssertionError, match="disagrees"):
+        recurrent_suite.check_training_variants(case)

@@ -512,12 +512,33 @@ class _CharModel(mlx.nn.Module):
         return self.head(output)
 
 
-def _char_loss(model, ids, targets):
-    return mlx.nn.losses.cross_entropy(model(ids), targets, reduction="mean")
+# The losses a step can take.  "cross-entropy" is the model's; the other two are linear in the logits or in the
+# LSTM's output (fixed weights, _linear_loss_weights), so that a step with one of them, timed as the whole step
+# is, tells by difference what the cross-entropy and the head cost inside the step (training_parts_cases).
+CHAR_LOSSES = ("cross-entropy", "linear in the logits", "linear in the LSTM output")
 
 
-def _mlx_training_step(hidden_size: int, compiled: bool):
-    """A fresh model (seed 0), Adam, and a function running one training step on (ids, targets): the loss."""
+def _linear_loss_weights(hidden_size: int) -> dict[str, np.ndarray]:
+    """Fixed (B, L, V) and (B, L, H) weights of the two linear losses."""
+    rng = np.random.default_rng(1)
+    return {"linear in the logits": rng.uniform(-1, 1, (CHAR_BATCH, CHAR_WINDOW, CHAR_VOCAB)).astype(np.float32),
+            "linear in the LSTM output": rng.uniform(-1, 1, (CHAR_BATCH, CHAR_WINDOW, hidden_size)).astype(np.float32)}
+
+
+def _char_loss_function(loss: str, hidden_size: int):
+    """MLX's loss(model, ids, targets) of the named kind (CHAR_LOSSES)."""
+    if loss == "cross-entropy":
+        return lambda model, ids, targets: mlx.nn.losses.cross_entropy(model(ids), targets, reduction="mean")
+    weights = mx.array(_linear_loss_weights(hidden_size)[loss])
+    if loss == "linear in the logits":
+        return lambda model, ids, targets: (model(ids) * weights).sum()
+    return lambda model, ids, targets: (model.recurrent(model.embedding(ids))[0] * weights).sum()
+
+
+def _mlx_training_step(hidden_size: int, compiled: bool, loss: str = "cross-entropy", update: bool = True):
+    """A fresh model (seed 0), Adam, and a function running one training step on (ids, targets): the loss.
+    loss: one of CHAR_LOSSES; update: False leaves out the optimizer's update (the gradients are still
+    evaluated)."""
     import mlx.optimizers
 
     mx.random.seed(0)
@@ -525,19 +546,22 @@ def _mlx_training_step(hidden_size: int, compiled: bool):
     optimizer = mlx.optimizers.Adam(learning_rate=1e-3)
     mx.eval(model.parameters())
     state = [model.state, optimizer.state]
+    loss_and_grad = mlx.nn.value_and_grad(model, _char_loss_function(loss, hidden_size))
 
     def step(ids, targets):
-        loss, grads = mlx.nn.value_and_grad(model, _char_loss)(model, ids, targets)
+        value, grads = loss_and_grad(model, ids, targets)
+        if not update:
+            return value, grads
         optimizer.update(model, grads)
-        return loss
+        return value
 
     if compiled:  # MLX's pattern for a training step: the model's and the optimizer's state as implicit inputs
         step = mx.compile(step, inputs=state, outputs=state)
 
     def run(ids, targets):
-        loss = step(ids, targets)
-        mx.eval(state, loss)
-        return loss.item()
+        outputs = step(ids, targets)
+        mx.eval(state, outputs)
+        return (outputs if update else outputs[0]).item()
 
     return model, run
 
@@ -558,21 +582,32 @@ def _torch_char_model(model: _CharModel):
     return embedding, recurrent, head
 
 
-def _torch_training_step(model: _CharModel):
-    """The same model in torch, from ``model``'s weights, with Adam: a function running one step (the loss)."""
+def _torch_training_step(model: _CharModel, loss: str = "cross-entropy", update: bool = True):
+    """The same model in torch, from ``model``'s weights, with Adam: a function running one step (the loss);
+    loss and update as _mlx_training_step's."""
     import torch
 
     embedding, recurrent, head = _torch_char_model(model)
     parameters = [*embedding.parameters(), *recurrent.parameters(), *head.parameters()]
     optimizer = torch.optim.Adam(parameters, lr=1e-3)
+    if loss != "cross-entropy":
+        weights = torch.from_numpy(_linear_loss_weights(model.head.weight.shape[1])[loss])
+
+    def loss_of(ids, targets):
+        output = recurrent(embedding(ids))[0]
+        if loss == "linear in the LSTM output":
+            return (output * weights).sum()
+        if loss == "linear in the logits":
+            return (head(output) * weights).sum()
+        return torch.nn.functional.cross_entropy(head(output).reshape(-1, CHAR_VOCAB), targets.reshape(-1))
 
     def run(ids, targets):
         optimizer.zero_grad()
-        logits = head(recurrent(embedding(ids))[0])
-        loss = torch.nn.functional.cross_entropy(logits.reshape(-1, CHAR_VOCAB), targets.reshape(-1))
-        loss.backward()
-        optimizer.step()
-        return loss.item()
+        value = loss_of(ids, targets)
+        value.backward()
+        if update:
+            optimizer.step()
+        return value.item()
 
     return run
 
@@ -584,121 +619,86 @@ def _char_batch() -> tuple[np.ndarray, np.ndarray]:
     return ids, rng.integers(0, CHAR_VOCAB, (CHAR_BATCH, CHAR_WINDOW)).astype(np.int32)
 
 
-def training_step_case(hidden_size: int) -> Case:
-    """One training step of the character model: seqlib compiled and eager, torch; the first steps' losses agree."""
+def _training_implementations(hidden_size: int, loss: str, update: bool, eager: bool) -> dict:
+    """seqlib's step compiled (and eager, where asked) and torch's, from the same weights, as run_cases takes
+    them."""
     ids_np, targets_np = _char_batch()
     ids, targets = mx.array(ids_np), mx.array(targets_np)
-    model, compiled = _mlx_training_step(hidden_size, compiled=True)
-    _, eager = _mlx_training_step(hidden_size, compiled=False)
-    implementations = {"seqlib (compiled)": lambda: compiled(ids, targets),
-                       "seqlib (eager)": lambda: eager(ids, targets)}  # fmt: skip
+    model, compiled = _mlx_training_step(hidden_size, compiled=True, loss=loss, update=update)
+    implementations = {"seqlib (compiled)": lambda: compiled(ids, targets)}
+    if eager:
+        eager_step = _mlx_training_step(hidden_size, compiled=False, loss=loss, update=update)[1]
+        implementations["seqlib (eager)"] = lambda: eager_step(ids, targets)
     if HAVE_TORCH:
         import torch
 
         ids_t, targets_t = torch.from_numpy(ids_np.astype(np.int64)), torch.from_numpy(targets_np.astype(np.int64))
-        theirs = _torch_training_step(model)
+        theirs = _torch_training_step(model, loss=loss, update=update)
         implementations["torch"] = lambda: theirs(ids_t, targets_t)
+    return implementations
+
+
+def _relative_loss_error(a: float, b: float) -> float:  # the first steps' losses, from the same weights
+    return abs(a - b) / max(abs(a), 1e-30)
+
+
+def training_step_case(hidden_size: int) -> Case:
+    """One training step of the character model: seqlib compiled and eager, torch; the first steps' losses agree."""
     # FLOPs of the matmuls: each LSTM layer 2 B L 4H (D + H), the head 2 B L H V; backward twice the forward
     tokens, gates = CHAR_BATCH * CHAR_WINDOW, 4 * hidden_size
     forward = 2 * tokens * gates * (CHAR_EMBEDDING + hidden_size) + 2 * tokens * gates * 2 * hidden_size * (
         CHAR_LAYERS - 1) + 2 * tokens * hidden_size * CHAR_VOCAB  # fmt: skip
     return Case(
         name=f"training step, character model H={hidden_size} (2-layer LSTM, B={CHAR_BATCH}, L={CHAR_WINDOW}, Adam)",
-        implementations=implementations,
+        implementations=_training_implementations(hidden_size, "cross-entropy", update=True, eager=True),
         flops=3 * forward,
-        check=lambda a, b: abs(a - b) / max(abs(a), 1e-30),  # the first steps' losses, from the same weights
+        check=_relative_loss_error,
         tolerance=1e-4,
         notes=[f"napkin: {3 * forward / 1e9:.2f} GFLOP of matmuls per step"],
         mlx_baseline="seqlib (eager)",
     )
 
 
-def training_parts_cases(hidden_size: int) -> list[Case]:
-    """The training step in three parts, each against torch's from the same weights and inputs: the LSTM
-    layers' forward and backward (seqlib's; the weights' gradients, on fixed embeddings, for the loss
-    ``sum(output * w)``), the head and the loss forward and backward (MLX's Linear and cross_entropy; the
-    gradients of the head's weights and of its input) and one Adam update (MLX's, compiled, on fixed
-    gradients).  Only the first part is seqlib's code; the parts show where the whole step's ratio comes from.
-    The first two are checked against torch by their loss and the sum of their gradients' squares."""
-    import mlx.optimizers
-    from mlx.utils import tree_flatten
+# The step with parts left out, timed as the whole step is and interleaved with it (one case, so that every
+# variant sees the same state of the machine): the differences between consecutive variants are what each
+# part costs inside the step.  (Each part timed on its own, after an idle wait, gave the LSTM layers 21-25 ms at
+# H = 128 against 15-16 in the step, 2-core Sapphire Rapids: a part called alone pays waking threads and
+# refilling caches that a step's later parts find ready.)
+TRAINING_VARIANTS = (("whole step", "cross-entropy", True),
+                     ("cross-entropy replaced by a loss linear in the logits", "linear in the logits", True),
+                     ("no head: a loss linear in the LSTM output", "linear in the LSTM output", True),
+                     ("no head and no Adam update", "linear in the LSTM output", False))  # fmt: skip
+TRAINING_PARTS = ("cross-entropy forward+backward (MLX)", "head (Linear) forward+backward (MLX)",
+                  "Adam update (MLX)", "embedding + LSTM layers forward+backward (seqlib)")  # fmt: skip
 
-    mx.random.seed(0)
-    model = _CharModel(hidden_size)
-    ids_np, targets_np = _char_batch()
-    targets = mx.array(targets_np)
-    embedded = model.embedding(mx.array(ids_np))
-    outputs = model.recurrent(embedded)[0]
-    weights = mx.array(np.random.default_rng(1).uniform(-1, 1, outputs.shape).astype(np.float32))
-    grads = mlx.nn.value_and_grad(model, _char_loss)(model, mx.array(ids_np), targets)[1]
-    mx.eval(model.parameters(), embedded, outputs, weights, grads)
-    layers_grad = mlx.nn.value_and_grad(model.recurrent, lambda layers, x: (layers(x)[0] * weights).sum())
 
-    def head_loss(weight, bias, x):
-        return mlx.nn.losses.cross_entropy(mx.addmm(bias, x, weight.T), targets, reduction="mean")
+def training_parts_case(hidden_size: int) -> Case:
+    """Every variant of TRAINING_VARIANTS, seqlib compiled and torch, as one case (implementations named
+    "<library>: <variant>"); unchecked here: check_training_variants compares their losses."""
+    implementations = {}
+    for name, loss, update in TRAINING_VARIANTS:
+        for library, run in _training_implementations(hidden_size, loss, update, eager=False).items():
+            implementations[f"{library}: {name}"] = run
+    return Case(name=f"training step variants, H={hidden_size}", implementations=implementations)
 
-    head_grad = mx.value_and_grad(head_loss, argnums=(0, 1, 2))
-    optimizer = mlx.optimizers.Adam(learning_rate=1e-3)
-    state = [model.state, optimizer.state]
-    update = mx.compile(lambda g: optimizer.update(model, g), inputs=state, outputs=state)
 
-    def summary(loss, gradients) -> np.ndarray:  # the loss and the sum of the gradients' squares (MLX or torch)
-        return np.array([float(loss), sum(float((np.asarray(g, dtype=np.float64) ** 2).sum()) for g in gradients)])
+def check_training_variants(case: Case, tolerance: float = 1e-4) -> None:
+    """Each variant's first loss, seqlib's against torch's (the same weights): raise where they disagree."""
+    runs = {name: run() for name, run in case.implementations.items()}
+    for name, _, _ in TRAINING_VARIANTS:
+        if f"torch: {name}" in runs:
+            error = _relative_loss_error(runs[f"seqlib (compiled): {name}"], runs[f"torch: {name}"])
+            if error > tolerance:
+                raise AssertionError(f"{case.name}, {name}: torch disagrees with seqlib (relative error {error:.2e})")
 
-    def layers_ours():
-        loss, layer_grads = layers_grad(model.recurrent, embedded)
-        mx.eval(loss, layer_grads)
-        return loss, [g for _, g in tree_flatten(layer_grads)]
 
-    def head_ours():
-        loss, head_grads = head_grad(model.head.weight, model.head.bias, outputs)
-        mx.eval(loss, head_grads)
-        return loss, list(head_grads)
-
-    def update_ours():
-        update(grads)
-        mx.eval(state)
-
-    parts = {"LSTM layers forward+backward (seqlib)": {"seqlib": layers_ours},
-             "head and cross-entropy forward+backward (MLX)": {"MLX": head_ours},
-             "Adam update (MLX, compiled)": {"MLX": update_ours}}  # fmt: skip
-    if HAVE_TORCH:  # torch's part after each of ours, in the same order
-        import torch
-
-        _, recurrent, head = _torch_char_model(model)
-        embedded_t, weights_t = torch.from_numpy(np.array(embedded)), torch.from_numpy(np.array(weights))
-        outputs_t, targets_t = torch.from_numpy(np.array(outputs)), torch.from_numpy(targets_np.astype(np.int64))
-        gradients = dict(tree_flatten(grads))
-        parameters = []
-        for name, value in tree_flatten(model.parameters()):
-            parameters.append(torch.nn.Parameter(torch.from_numpy(np.array(value))))
-            parameters[-1].grad = torch.from_numpy(np.array(gradients[name]))
-        adam = torch.optim.Adam(parameters, lr=1e-3)
-
-        def layers_theirs():
-            recurrent.zero_grad()
-            loss = (recurrent(embedded_t)[0] * weights_t).sum()
-            loss.backward()
-            return loss.item(), [p.grad for p in recurrent.parameters()]
-
-        def head_theirs():
-            head.zero_grad()
-            x = outputs_t.detach().requires_grad_()
-            loss = torch.nn.functional.cross_entropy(head(x).reshape(-1, CHAR_VOCAB), targets_t.reshape(-1))
-            loss.backward()
-            return loss.item(), [head.weight.grad, head.bias.grad, x.grad]
-
-        for implementations, theirs in zip(parts.values(), (layers_theirs, head_theirs, adam.step), strict=True):
-            implementations["torch"] = theirs
-    def relative(a, b) -> float:  # of the losses and gradient sums, from the same weights
-        ours, theirs = summary(*a), summary(*b)
-        return float(np.max(np.abs(ours - theirs) / np.maximum(np.abs(ours), 1e-30)))
-
-    # 1e-3: sum(output * w) adds terms of both signs, so float32 sums in another order can differ by more
-    # than 1e-4 of such a total (2e-5 at H = 128 here)
-    return [Case(name=f"{name}, H={hidden_size}", implementations=implementations,
-                 check=relative if "update" not in name else None, tolerance=1e-3)
-            for name, implementations in parts.items()]  # fmt: skip
+def _training_parts(medians: dict[str, float], library: str) -> dict[str, float]:
+    """TRAINING_PARTS' times for one library from the variants' medians (as run_cases names them): each part but
+    the last is the difference of two consecutive variants, the last the last variant's own time."""
+    times = [medians[f"{library}: {name}"] for name, _, _ in TRAINING_VARIANTS]
+    parts = {name: times[i] - times[i + 1] for i, name in enumerate(TRAINING_PARTS[:-1])}
+    parts[TRAINING_PARTS[-1]] = times[-1]
+    return parts
 
 
 def print_training_steps(widths=TRAINING_WIDTHS, repeats: int = 21, machine=None) -> list[dict]:
@@ -713,14 +713,15 @@ def print_training_steps(widths=TRAINING_WIDTHS, repeats: int = 21, machine=None
         if "torch" in times:
             print(f"  H={hidden_size}: seqlib compiled / torch x{times['seqlib (compiled)'] / times['torch']:.2f}, "
                   f"eager / torch x{times['seqlib (eager)'] / times['torch']:.2f}")  # fmt: skip
-        part_rows = run_cases(training_parts_cases(hidden_size), repeats=repeats, warmup=2, show=False)
-        print(f"  H={hidden_size}, the step's parts, ms (seqlib or MLX / torch):")
-        for case in dict.fromkeys(row["case"] for row in part_rows):
-            times = {row["implementation"]: row["median_ms"] for row in part_rows if row["case"] == case}
-            ours = next(iter(times.values()))  # seqlib's or MLX's, listed first
-            line = f"    {case.rsplit(',', 1)[0]:<48} {ours:8.2f}"
-            if "torch" in times:
-                line += f" / {times['torch']:8.2f}   x{ours / times['torch']:.2f}"
-            print(line)
+        variants = training_parts_case(hidden_size)
+        check_training_variants(variants)
+        part_rows = run_cases([variants], repeats=repeats, warmup=2, show=False)
+        medians = {row["implementation"]: row["median_ms"] for row in part_rows}
+        libraries = [library for library in ("seqlib (compiled)", "torch") if f"{library}: whole step" in medians]
+        parts = {library: _training_parts(medians, library) for library in libraries}
+        print(f"  H={hidden_size}, the step's parts, ms ({' / '.join(libraries)}): differences of the step with parts "
+              "left out, interleaved with it")  # fmt: skip
+        for name in TRAINING_PARTS:
+            print(f"    {name:<52} " + " / ".join(f"{parts[library][name]:8.2f}" for library in libraries))
         rows += part_rows
     return rows
