@@ -514,7 +514,7 @@ class _CharModel(mlx.nn.Module):
 
 # The losses a step can take.  "cross-entropy" is the model's; the other two are linear in the logits or in the
 # LSTM's output (fixed weights, _linear_loss_weights), so that a step with one of them, timed as the whole step
-# is, tells by difference what the cross-entropy and the head cost inside the step (training_parts_cases).
+# is, tells by difference what the cross-entropy and the head cost inside the step (training_parts_case).
 CHAR_LOSSES = ("cross-entropy", "linear in the logits", "linear in the LSTM output")
 
 
@@ -527,6 +527,8 @@ def _linear_loss_weights(hidden_size: int) -> dict[str, np.ndarray]:
 
 def _char_loss_function(loss: str, hidden_size: int):
     """MLX's loss(model, ids, targets) of the named kind (CHAR_LOSSES)."""
+    if loss not in CHAR_LOSSES:
+        raise ValueError(f"loss: expected one of {CHAR_LOSSES}, got {loss!r}")
     if loss == "cross-entropy":
         return lambda model, ids, targets: mlx.nn.losses.cross_entropy(model(ids), targets, reduction="mean")
     weights = mx.array(_linear_loss_weights(hidden_size)[loss])
@@ -682,8 +684,10 @@ def training_parts_case(hidden_size: int) -> Case:
     return Case(name=f"training step variants, H={hidden_size}", implementations=implementations)
 
 
-def check_training_variants(case: Case, tolerance: float = 1e-4) -> None:
-    """Each variant's first loss, seqlib's against torch's (the same weights): raise where they disagree."""
+def check_training_variants(case: Case, tolerance: float = 1e-3) -> None:
+    """Each variant's first loss, seqlib's against torch's (the same weights): raise where they disagree.
+    1e-3: a loss linear in the output adds terms of both signs, so float32 sums in another order can differ
+    by more than 1e-4 of such a total (2e-5 at H = 128 on a 2-core Sapphire Rapids)."""
     runs = {name: run() for name, run in case.implementations.items()}
     for name, _, _ in TRAINING_VARIANTS:
         if f"torch: {name}" in runs:
