@@ -284,6 +284,8 @@ def test_openblas_workers_may_run_on_every_cpu_but_the_callers():
         openblas = ctypes.CDLL(os.path.join(scipy_openblas32.get_lib_dir(), "libscipy_openblas.so"))
         shim = ctypes.CDLL(seqlib.blas_status().shim_path)
         libc = ctypes.CDLL(None)
+        if not hasattr(openblas, "openblas_getaffinity"):  # an OpenBLAS without it: the shim leaves workers be
+            raise SystemExit(print(json.dumps({"skip": "this OpenBLAS has no openblas_getaffinity"})))
         size = 512  # 134 million multiply-adds: a threaded product
         a, c = np.ones((size, size), np.float32), np.zeros((size, size), np.float32)
         pointer = lambda array: array.ctypes.data_as(ctypes.c_void_p)
@@ -308,6 +310,8 @@ def test_openblas_workers_may_run_on_every_cpu_but_the_callers():
     """, OPENBLAS_NUM_THREADS="2")
     assert result.returncode == 0, result.stderr
     report = json.loads(result.stdout)
+    if "skip" in report:
+        pytest.skip(report["skip"])
     assert len(report["seen"]) == 2
     for caller, allowed in report["seen"]:
         assert allowed == [cpu for cpu in report["everywhere"] if cpu != caller]
