@@ -80,19 +80,19 @@ static int workers_off_cpu = -1, workers_kept_off = 0;
  * product wakes them, and the kernel may place a woken worker on the CPU of the thread that woke it.
  * It did so after other threads had kept the other CPUs busy (torch's, between the benchmark harness's
  * calls): the worker then shared the caller's CPU for the whole product while another CPU idled.  So the
- * workers may run wherever the caller may, except on the caller's CPU: chapter 13's character model,
- * H = 128, embedding and LSTM layers forward+backward, each call after torch's step and an idle wait,
- * 20.6 -> 15.6 ms; called alone 14.4 -> 13.2 (2-core Sapphire Rapids, medians of 21).  Their masks change only when the
+ * workers may run wherever the caller may, except on the caller's CPU.  Their masks change only when the
  * caller's CPU does; otherwise a product costs one sched_getcpu (a vDSO call).  seqlib.native's own
- * workers move off their caller's CPU likewise (Workers::leave_caller_cpu in native/cpu_loop.h). */
+ * workers move off their caller's CPU likewise (Workers::leave_caller_cpu in native/cpu_loop.h).
+ * Chapter 13's character model, H = 128, embedding and LSTM layers forward+backward, each call after
+ * torch's step and an idle wait: 20.6 -> 15.6 ms; called alone 14.4 -> 13.2 (2-core Sapphire Rapids,
+ * medians of 21). */
 static void keep_workers_off_caller_cpu(int threads) {
   if (openblas_setaffinity == NULL) return;
   const int cpu = sched_getcpu();
   if (cpu < 0 || (cpu == workers_off_cpu && threads - 1 <= workers_kept_off)) return;
   cpu_set_t allowed;
-  if (sched_getaffinity(0, sizeof allowed, &allowed) != 0 || !CPU_ISSET(cpu, &allowed) || CPU_COUNT(&allowed) < 2) {
-    return;
-  }
+  if (sched_getaffinity(0, sizeof allowed, &allowed) != 0) return;
+  if (!CPU_ISSET(cpu, &allowed) || CPU_COUNT(&allowed) < 2) return;
   CPU_CLR(cpu, &allowed);
   for (int worker = 0; worker < threads - 1; ++worker) openblas_setaffinity(worker, sizeof allowed, &allowed);
   workers_off_cpu = cpu, workers_kept_off = threads - 1;

@@ -722,8 +722,8 @@ inline void tile_product_of_rows(int rows, const float* a, int lda, int depth, c
 }
 
 // The rows (rows, SLOTS kUnits: kTile for the LSTM and the backward) = a[rows of stride lda, depth columns] @
-// block (depth, SLOTS kUnits), in tiles of up to
-// rows_per_tile_of(SLOTS) rows (spread evenly: no thin last tile), taken in chunks of kDepthChunk: a chunk of the block
+// block (depth, SLOTS kUnits), in tiles of up to rows_per_tile_of(SLOTS) rows (spread evenly: no thin last
+// tile), taken in chunks of kDepthChunk: a chunk of the block
 // (16 KB with AVX2, 32 KB with AVX-512) stays in L1 while every tile reads it, where a whole block (AVX2, depth
 // 512: 64 KB; the backward's depth 2,048: 256 KB) would stream from L2 once per tile.  The chunks resume the
 // tiles' accumulators: the same bits as one pass.  One thread at (T, B, H) = (100, 32, 512), interleaved runs:
