@@ -8,9 +8,10 @@ one) all end here.  The structure is the one fast implementations share
    the caller: ``x_gates = x @ W_ih.T`` with x all ``N`` rows of the sequence, its
    bias ``b`` passed beside it (``input_bias``): the C++ loops add it as they read
    each row, which saves a pass over the (N, G H) array (the other paths add it
-   first).  :func:`lstm_input_sequence` takes an LSTM's input and ``W_ih``
-   instead: where seqlib's C++ loop runs and the input is narrow, the loop
-   computes each step's input side itself, and ``x_gates`` is never written.
+   first).  :func:`lstm_input_sequence` and :func:`gru_input_sequence` take
+   the input and ``W_ih`` instead: where seqlib's C++ loop runs and the input
+   is narrow, the loop computes each step's input side itself, and ``x_gates``
+   is never written.
 2. Each step then needs only the recurrent matmul ``h @ W_hh.T`` and the
    **fused pointwise gate math** of :mod:`seqlib.pointwise` (one compiled
    function, or one fused kernel).
@@ -72,7 +73,7 @@ from seqlib.pointwise import (
     rnn_step,
 )
 
-__all__ = ["gru_sequence", "lstm_input_sequence", "lstm_sequence", "rnn_sequence", "time_major"]
+__all__ = ["gru_input_sequence", "gru_sequence", "lstm_input_sequence", "lstm_sequence", "rnn_sequence", "time_major"]
 
 
 # ----------------------------------------------------------------- the sequence loop
@@ -241,6 +242,12 @@ def _check_lstm_state(w_hh, h0, c0, w_hr, input_bias) -> tuple[int, int]:
     return batch, hidden_size
 
 
+def _check_input_rows(x, w_ih, gates: int, dtype) -> None:
+    """Check an input-side sequence's rows x (N, D) and its w_ih (gates, D)."""
+    check_float_array(x, "x", (None, None), dtype)
+    check_float_array(w_ih, "w_ih", (gates, x.shape[1]), dtype)
+
+
 def lstm_sequence(x_gates, w_hh, h0, c0, batch_sizes, reverse=False, w_hr=None, *, input_bias=None):
     """Run an LSTM over packed rows; returns ``output (N, P), h_n (B, P), c_n (B, H)``.
 
@@ -280,14 +287,22 @@ def lstm_input_sequence(x, w_ih, w_hh, h0, c0, batch_sizes, reverse=False, *, in
     before it; elsewhere this is that matmul and :func:`lstm_sequence`.
     """
     batch, hidden_size = _check_lstm_state(w_hh, h0, c0, None, input_bias)
-    check_float_array(x, "x", (None, None), c0.dtype)
-    check_float_array(w_ih, "w_ih", (4 * hidden_size, x.shape[1]), c0.dtype)
+    _check_input_rows(x, w_ih, 4 * hidden_size, c0.dtype)
     batch_sizes = check_batch_sizes(batch_sizes, x.shape[0], batch, rows_name="x")
     if path_for(c0.dtype) != "native":
         return lstm_sequence(x @ w_ih.T, w_hh, h0, c0, batch_sizes, reverse, input_bias=input_bias)
     traced = is_traced(x, w_ih, w_hh, h0, c0, input_bias)  # the primitive saves what its own vjp needs
     return tuple(native.extension().lstm_input_sequence(x, w_ih, w_hh, h0, c0, list(batch_sizes), bool(reverse),
                                                         traced, input_bias)[:3])
+
+
+def _check_gru_state(w_hh, b_hh, h0, input_bias) -> tuple[int, int]:
+    """Check a GRU's state, hidden-side weights and input bias against each other; returns (B, H)."""
+    batch, hidden_size = check_state("h0", h0)
+    check_float_array(w_hh, "w_hh", (3 * hidden_size, hidden_size), h0.dtype)
+    check_float_array(b_hh, "b_hh", (3 * hidden_size,), h0.dtype)
+    _check_input_bias(input_bias, 3 * hidden_size, h0.dtype)
+    return batch, hidden_size
 
 
 @functools.lru_cache(maxsize=512)
@@ -340,11 +355,8 @@ def gru_sequence(x_gates, w_hh, b_hh, h0, batch_sizes, reverse=False, *, input_b
     input_bias: (3H,), added to every row; w_hh: (3H, H); b_hh: (3H,) (zeros for a
     layer without bias); h0: (B, H).
     """
-    batch, hidden_size = check_state("h0", h0)
+    batch, hidden_size = _check_gru_state(w_hh, b_hh, h0, input_bias)
     check_float_array(x_gates, "x_gates", (None, 3 * hidden_size), h0.dtype)
-    check_float_array(w_hh, "w_hh", (3 * hidden_size, hidden_size), h0.dtype)
-    check_float_array(b_hh, "b_hh", (3 * hidden_size,), h0.dtype)
-    _check_input_bias(input_bias, 3 * hidden_size, h0.dtype)
     batch_sizes = check_batch_sizes(batch_sizes, x_gates.shape[0], batch, rows_name="x_gates")
     path, reverse = path_for(h0.dtype), bool(reverse)
     if path == "native":
@@ -360,6 +372,24 @@ def gru_sequence(x_gates, w_hh, b_hh, h0, batch_sizes, reverse=False, *, input_b
     function = _gru_sequence_function(batch_sizes, reverse, path == "kernels")
     output, h_n = function(x_gates, w_hh, b_hh, h0)[:2]
     return output, h_n
+
+
+def gru_input_sequence(x, w_ih, w_hh, b_hh, h0, batch_sizes, reverse=False, *, input_bias=None):
+    """A GRU over packed rows of its input: ``gru_sequence(x @ w_ih.T, w_hh, b_hh, h0, batch_sizes, reverse,
+    input_bias=input_bias)``, the same numbers to float32 rounding; returns ``output (N, H), h_n (B, H)``.
+
+    x: (N, D) the input rows; w_ih: (3H, D); the rest as :func:`gru_sequence`'s.  Where seqlib's C++ loop
+    computes the input side itself is :func:`lstm_input_sequence`'s rule (D <= 8 B); elsewhere this is one
+    matmul and :func:`gru_sequence`.
+    """
+    batch, hidden_size = _check_gru_state(w_hh, b_hh, h0, input_bias)
+    _check_input_rows(x, w_ih, 3 * hidden_size, h0.dtype)
+    batch_sizes = check_batch_sizes(batch_sizes, x.shape[0], batch, rows_name="x")
+    if path_for(h0.dtype) != "native":
+        return gru_sequence(x @ w_ih.T, w_hh, b_hh, h0, batch_sizes, reverse, input_bias=input_bias)
+    traced = is_traced(x, w_ih, w_hh, b_hh, h0, input_bias)  # the primitive saves what its own vjp needs
+    return tuple(native.extension().gru_input_sequence(x, w_ih, w_hh, b_hh, h0, list(batch_sizes), bool(reverse),
+                                                       traced, input_bias)[:2])
 
 
 @functools.lru_cache(maxsize=512)

@@ -242,55 +242,79 @@ def test_a_bias_of_the_wrong_shape_is_refused():
         native.extension().lstm_sequence(*arguments, [3, 3], False, False, bias=random((2,), 5))
 
 
-# (lengths of the sequences, D, H) for scan.lstm_input_sequence: the loop computes the input side where it runs
-# packed (4 steps or more, AVX2) and D <= 8 B (B the longest step's rows); else a matmul computes x_gates.
+# (lengths of the sequences, D, H) for scan.lstm_input_sequence and gru_input_sequence: the loop computes the input
+# side where it runs packed (4 steps or more, AVX2) and D <= 8 B with AVX-512, 4 B with AVX2 (B the longest step's
+# rows); else a matmul computes x_gates.
 INPUT_CASES = [
-    ([12] * 9 + [11] * 5 + [1], 64, 48),  # 15 sequences: D = 64 <= 120, blocks whole
+    ([12] * 9 + [11] * 5 + [1], 56, 48),  # 15 sequences: D = 56 <= 60, blocks whole
     ([12] * 9 + [11] * 5 + [1], 7, 37),  # a partial block of units, D below a vector
     ([6] * 40, 130, 70),  # D past a depth chunk of the tiles (128)
-    ([7] * 2 + [3], 24, 300),  # small batch, wide: a team of threads shares the blocks
+    ([7] * 2 + [3], 12, 300),  # small batch, wide: a team of threads shares the blocks
     ([5] * 4, 200, 16),  # D > 8 B: a matmul, then the loop on x_gates
     ([3] * 16, 32, 32),  # too few steps to pack: a matmul, then OpenBLAS's loop
 ]
 
 
-def cpu_has_avx2() -> bool:
+def cpu_has(flag: str) -> bool:
+    """Whether /proc/cpuinfo lists the vector extension `flag` (seqlib's C++ is built with -march=native)."""
     try:
         with open("/proc/cpuinfo") as file:
-            return " avx2 " in file.read().replace("\n", " ") + " "
+            return f" {flag} " in file.read().replace("\n", " ") + " "
     except OSError:
         return False
+
+
+
+# For each kind given its input: its gates, its states, the sequence function given the input and the one given
+# x_gates, each (x, w_ih, w_hh, *states, bias) -> outputs.
+INPUT_KINDS = {
+    "lstm": (4, ("h0", "c0"),
+             lambda b, r: lambda x, w_ih, w_hh, h0, c0, bias=None: scan.lstm_input_sequence(
+                 x, w_ih, w_hh, h0, c0, b, r, input_bias=bias),
+             lambda b, r: lambda x, w_ih, w_hh, h0, c0, bias=None: scan.lstm_sequence(
+                 x @ w_ih.T, w_hh, h0, c0, b, r, input_bias=bias)),
+    "gru": (3, ("b_hh", "h0"),
+            lambda b, r: lambda x, w_ih, w_hh, b_hh, h0, bias=None: scan.gru_input_sequence(
+                x, w_ih, w_hh, b_hh, h0, b, r, input_bias=bias),
+            lambda b, r: lambda x, w_ih, w_hh, b_hh, h0, bias=None: scan.gru_sequence(
+                x @ w_ih.T, w_hh, b_hh, h0, b, r, input_bias=bias)),
+}  # fmt: skip
+
+
+def input_kind_states(kind: str, batch: int, hidden_size: int, seed: int) -> list[mx.array]:
+    """The arrays after w_hh of a sequence given its input: the LSTM's h0, c0; the GRU's b_hh, h0."""
+    names = INPUT_KINDS[kind][1]
+    return [random((3 * hidden_size,) if name == "b_hh" else (batch, hidden_size), seed + i)
+            for i, name in enumerate(names)]  # fmt: skip
 
 
 @linux_only
 @pytest.mark.parametrize("case", INPUT_CASES, ids=lambda case: f"T{max(case[0])}-D{case[1]}-H{case[2]}")
 @pytest.mark.parametrize("reverse", [False, True])
 @pytest.mark.parametrize("with_bias", [True, False])
-def test_an_lstm_given_its_input_equals_one_given_its_input_product(case, reverse, with_bias):
-    """scan.lstm_input_sequence(x, w_ih, ...) is scan.lstm_sequence(x @ w_ih.T, ...): outputs, and the gradients
-    of every argument (x's and w_ih's from the loop's d_x_gates).  Where the loop computes the input side it
-    adds x_t's product and h's as x_gates and h's product are added, so the two agree to float32 rounding (on
-    this machine to the bit, where OpenBLAS sums x @ w_ih.T in the order of k)."""
+@pytest.mark.parametrize("kind", ["lstm", "gru"])
+def test_a_layer_given_its_input_equals_one_given_its_input_product(kind, case, reverse, with_bias):
+    """scan.lstm_input_sequence(x, w_ih, ...) is scan.lstm_sequence(x @ w_ih.T, ...), and gru_input_sequence is
+    gru_sequence so: outputs, and the gradients of every argument (x's and w_ih's from the loop's d_x_gates).
+    Where the loop computes the input side it adds x_t's product and h's as x_gates and h's product are added, so
+    the two agree to float32 rounding (on this machine to the bit, where OpenBLAS sums x @ w_ih.T in the order of
+    k)."""
+    gates, state_names, given_input_of, given_product_of = INPUT_KINDS[kind]
     lengths, input_size, hidden_size = case
     batch_sizes = packed_batch_sizes(lengths)
     rows, batch, seed = sum(batch_sizes), batch_sizes[0], input_size + hidden_size
-    arguments = [random((rows, input_size), seed, 1.0), random((4 * hidden_size, input_size), seed + 1, 0.3),
-                 random((4 * hidden_size, hidden_size), seed + 2, recurrent_scale(hidden_size)),
-                 random((batch, hidden_size), seed + 3), random((batch, hidden_size), seed + 4)]  # fmt: skip
-    bias = random((4 * hidden_size,), seed + 5) if with_bias else None
+    arguments = [random((rows, input_size), seed, 1.0), random((gates * hidden_size, input_size), seed + 1, 0.3),
+                 random((gates * hidden_size, hidden_size), seed + 2, recurrent_scale(hidden_size)),
+                 *input_kind_states(kind, batch, hidden_size, seed + 3)]  # fmt: skip
+    bias = random((gates * hidden_size,), seed + 5) if with_bias else None
     cotangents = [random((rows, hidden_size), seed + 6), random((batch, hidden_size), seed + 7),
-                  random((batch, hidden_size), seed + 8)]  # fmt: skip
-
-    def given_input(x, w_ih, w_hh, h0, c0, *bias):
-        return scan.lstm_input_sequence(x, w_ih, w_hh, h0, c0, batch_sizes, reverse, input_bias=(bias or [None])[0])
-
-    def given_product(x, w_ih, w_hh, h0, c0, *bias):
-        return scan.lstm_sequence(x @ w_ih.T, w_hh, h0, c0, batch_sizes, reverse, input_bias=(bias or [None])[0])
-
+                  random((batch, hidden_size), seed + 8)][: len(state_names) + 1 if kind == "lstm" else 2]
+    given_input, given_product = given_input_of(batch_sizes, reverse), given_product_of(batch_sizes, reverse)
     primals = arguments + ([bias] if with_bias else [])
     outputs, grads = mx.vjp(given_input, primals, cotangents)
     want_outputs, want_grads = mx.vjp(given_product, primals, cotangents)
-    names = ["output", "h_n", "c_n", *["d_x", "d_w_ih", "d_w_hh", "d_h0", "d_c0", "d_bias"][: len(primals)]]
+    output_names = ["output", "h_n", "c_n"][: len(cotangents)]
+    names = [*output_names, *["d_x", "d_w_ih", "d_w_hh", *(f"d_{n}" for n in state_names), "d_bias"][: len(primals)]]
     for name, mine, theirs in zip(names, [*outputs, *grads], [*want_outputs, *want_grads], strict=True):
         assert_close_at_scale(mine, theirs, TOLERANCE, name)
     inference = given_input(*primals)  # outside the vjp: saves nothing
@@ -299,38 +323,51 @@ def test_an_lstm_given_its_input_equals_one_given_its_input_product(case, revers
 
 
 @linux_only
-@pytest.mark.skipif(not cpu_has_avx2(), reason="the packed loops need AVX2 and FMA")
-@pytest.mark.parametrize(("input_size", "computed_in_the_loop"), [(64, True), (65, False)])
-def test_the_lstm_loop_computes_its_input_side_only_where_the_input_is_narrow(input_size, computed_in_the_loop,
-                                                                               tmp_path):  # fmt: skip
-    """At 8 rows a step the loop takes x @ w_ih.T itself up to D = 64 (no matmul in the graph); past it, a matmul."""
+@pytest.mark.skipif(not cpu_has("avx2"), reason="the packed loops need AVX2 and FMA")
+@pytest.mark.parametrize(("input_size", "computed_in_the_loop"), [(64, True), (66, False)])
+@pytest.mark.parametrize("kind", ["lstm", "gru"])
+def test_the_loop_computes_its_input_side_only_where_the_input_is_narrow(kind, input_size, computed_in_the_loop,
+                                                                          tmp_path):  # fmt: skip
+    """At 8 rows a step the loop takes x @ w_ih.T itself up to D = 64 with AVX-512, 32 with AVX2 (no matmul in the
+    graph); past it, a matmul."""
+    gates, _, given_input_of, _ = INPUT_KINDS[kind]
     batch, hidden_size, steps = 8, 32, 6
+    if not cpu_has("avx512f"):
+        input_size //= 2
     x = random((steps * batch, input_size), 1)
-    w_ih, w_hh = random((4 * hidden_size, input_size), 2, 0.2), random((4 * hidden_size, hidden_size), 3, 0.2)
-    h0 = c0 = mx.zeros((batch, hidden_size))
-    output = scan.lstm_input_sequence(x, w_ih, w_hh, h0, c0, [batch] * steps)[0]
+    w_ih = random((gates * hidden_size, input_size), 2, 0.2)
+    w_hh = random((gates * hidden_size, hidden_size), 3, 0.2)
+    output = given_input_of([batch] * steps, False)(x, w_ih, w_hh, *input_kind_states(kind, batch, hidden_size, 4))[0]
     mx.export_to_dot(str(tmp_path / "graph.dot"), output)
     graph = (tmp_path / "graph.dot").read_text()
-    assert "LSTMSequence" in graph
+    assert ("LSTMSequence" if kind == "lstm" else "GRUSequence") in graph
     assert ("Matmul" not in graph) == computed_in_the_loop
 
 
 @linux_only
-def test_an_lstm_given_its_input_refuses_arguments_that_do_not_fit():
-    x, w_hh, state = random((12, 5), 1), random((8, 2), 2), random((3, 2), 3)
-    with pytest.raises(ValueError, match=r"w_ih: expected shape \(8, 5\), got \(8, 4\)"):
-        scan.lstm_input_sequence(x, random((8, 4), 4), w_hh, state, state, [3] * 4)
+@pytest.mark.parametrize("kind", ["lstm", "gru"])
+def test_a_layer_given_its_input_refuses_arguments_that_do_not_fit(kind):
+    gates, _, given_input_of, _ = INPUT_KINDS[kind]
+    run = given_input_of([3] * 4, False)
+    x, w_hh = random((12, 5), 1), random((gates * 2, 2), 2)
+    states = input_kind_states(kind, 3, 2, 3)
+    with pytest.raises(ValueError, match=rf"w_ih: expected shape \({gates * 2}, 5\), got \({gates * 2}, 4\)"):
+        run(x, random((gates * 2, 4), 4), w_hh, *states)
     with pytest.raises(ValueError, match=r"x: expected shape \(\*, \*\)"):
-        scan.lstm_input_sequence(x.reshape(4, 3, 5), random((8, 5), 4), w_hh, state, state, [3] * 4)
+        run(x.reshape(4, 3, 5), random((gates * 2, 5), 4), w_hh, *states)
     with pytest.raises(TypeError, match=r"w_ih: expected dtype mlx.core.float32 .*, got mlx.core.float16"):
-        scan.lstm_input_sequence(x, random((8, 5), 4).astype(mx.float16), w_hh, state, state, [3] * 4)
+        run(x, random((gates * 2, 5), 4).astype(mx.float16), w_hh, *states)
     with pytest.raises(ValueError, match=r"batch_sizes"):
-        scan.lstm_input_sequence(x, random((8, 5), 4), w_hh, state, state, [3] * 3)
-    extension = native.extension()  # the binding checks as well
-    with pytest.raises(ValueError, match=r"lstm_input_sequence: expected x of shape \(N, D\), got \(4, 3, 5\)"):
-        extension.lstm_input_sequence(x.reshape(4, 3, 5), random((8, 5), 4), w_hh, state, state, [3] * 4, False, False)
-    with pytest.raises(ValueError, match=r"lstm_input_sequence: expected w_ih float32 of shape \(8, 5\)"):
-        extension.lstm_input_sequence(x, random((8, 4), 4), w_hh, state, state, [3] * 4, False, False)
+        given_input_of([3] * 3, False)(x, random((gates * 2, 5), 4), w_hh, *states)
+    with pytest.raises(ValueError, match=r"input_bias: expected shape"):
+        run(x, random((gates * 2, 5), 4), w_hh, *states, random((gates,), 5))
+    extension, op = native.extension(), f"{kind}_input_sequence"  # the binding checks as well
+    binding = getattr(extension, op)
+    call = (lambda x, w_ih: binding(x, w_ih, w_hh, *states, [3] * 4, False, False))
+    with pytest.raises(ValueError, match=rf"{op}: expected x of shape \(N, D\), got \(4, 3, 5\)"):
+        call(x.reshape(4, 3, 5), random((gates * 2, 5), 4))
+    with pytest.raises(ValueError, match=rf"{op}: expected w_ih float32 of shape \({gates * 2}, 5\)"):
+        call(x, random((gates * 2, 4), 4))
 
 
 @linux_only
@@ -511,16 +548,22 @@ INPUT_STEPS = """
     from seqlib import scan
     rng = np.random.default_rng(0)
     results = []
-    for steps, batch, hidden, input_size in {shapes}:  # D <= 8 B: the loops compute the input side
-        batch_sizes = [batch] * (steps - 2) + [max(batch - 7, 1), max(batch // 2, 1)]
+    for (steps, batch, hidden, input_size), gates in [(s, g) for s in {shapes} for g in (4, 3)]:  # D <= 8 B: the
+        batch_sizes = [batch] * (steps - 2) + [max(batch - 7, 1), max(batch // 2, 1)]  # loops compute the input side
         rows = sum(batch_sizes)
+        width = gates * hidden
         x, w_ih, w_hh, bias, h0, c0 = (mx.array(rng.standard_normal(shape).astype(np.float32) * scale) for shape, scale
-                                       in (((rows, input_size), 1.0), ((4 * hidden, input_size), input_size ** -0.5),
-                                           ((4 * hidden, hidden), hidden ** -0.5), ((4 * hidden,), 0.1),
+                                       in (((rows, input_size), 1.0), ((width, input_size), input_size ** -0.5),
+                                           ((width, hidden), hidden ** -0.5), ((width,), 0.1),
                                            ((batch, hidden), 1.0), ((batch, hidden), 1.0)))
+        b_hh = bias[::-1]  # the GRU's
         for reverse in (False, True):
-            run = lambda x, w_ih, w_hh: scan.lstm_input_sequence(x, w_ih, w_hh, h0, c0, batch_sizes, reverse,
-                                                                  input_bias=bias)
+            if gates == 4:
+                run = lambda x, w_ih, w_hh: scan.lstm_input_sequence(x, w_ih, w_hh, h0, c0, batch_sizes, reverse,
+                                                                      input_bias=bias)
+            else:
+                run = lambda x, w_ih, w_hh: scan.gru_input_sequence(x, w_ih, w_hh, b_hh, h0, batch_sizes, reverse,
+                                                                     input_bias=bias)
             outputs, grads = mx.vjp(run, [x, w_ih, w_hh], [mx.ones_like(o) for o in run(x, w_ih, w_hh)])
             results += [*outputs, *grads, *run(x, w_ih, w_hh)]
     np.savez(sys.argv[1], *[np.array(r) for r in results])
@@ -586,8 +629,7 @@ def test_packed_loops_shared_among_threads_give_the_bits_of_one_thread(tmp_path)
     """The packed forward loops share a step's blocks of units among threads, and where those are too few for the
     threads, its rows too; each output's products add in the same order whichever thread computes it, so every
     thread count (1 to 4; more where the machine has them) gives the same outputs, saved arrays and gradients.
-    At small batches the GRU runs packed only with a team (runs_packed), on one thread OpenBLAS's loop.  So do the
-    LSTM's loops that compute their input side (D <= 8 B: at batch 1, D = 8)."""
+    So do the LSTM's and the GRU's loops that compute their input side (D <= 4 B: at batch 1, D = 4)."""
     counts = ("1", "2", "3", "4", "16")
     assert_every_thread_count_gives_the_same_bits(BIG_STEPS.format(shapes=LARGE_STEPS, gate_counts=(4, 3)), tmp_path,
                                                   counts=counts)  # fmt: skip
@@ -595,7 +637,7 @@ def test_packed_loops_shared_among_threads_give_the_bits_of_one_thread(tmp_path)
                                                   counts=counts)  # fmt: skip
     assert_every_thread_count_gives_the_same_bits(BIG_STEPS.format(shapes=SMALL_BATCHES, gate_counts=(3,)), tmp_path,
                                                   counts=counts[1:])  # fmt: skip
-    input_shapes = tuple((*shape, min(8 * shape[1], 96)) for shape in LARGE_STEPS + SMALL_BATCHES)
+    input_shapes = tuple((*shape, min(4 * shape[1], 96)) for shape in LARGE_STEPS + SMALL_BATCHES)
     assert_every_thread_count_gives_the_same_bits(INPUT_STEPS.format(shapes=input_shapes), tmp_path, counts=counts)
 
 

@@ -14,8 +14,9 @@
 // seqlib.scan calls it, and wires the backward into autodiff.
 //
 //   LSTMSequence, GRUSequence, RNNSequence   forward: output, final state(s), and (save) what
-//                                            the backward needs; the LSTM's from x_gates, or from its
-//                                            input x and w_ih (lstm_input_sequence: see computes_input_side)
+//                                            the backward needs; the LSTM's and the GRU's from x_gates, or
+//                                            from their input x and w_ih (lstm_input_sequence,
+//                                            gru_input_sequence: see computes_input_side)
 //   ...SequenceBackward                      backward through the steps in reverse: the gradients
 //                                            of x_gates, of the initial state(s), and for the GRU
 //                                            of its hidden side (for db_hh, and dW_hh with the states
@@ -125,8 +126,8 @@ std::vector<Step> steps_of(const std::vector<int>& batch_sizes, bool reverse) {
   return steps;
 }
 
-// Bits of a loop's option.  kInputSide: the LSTM forward's ins[0] is its input x (N, D) and ins[4] w_ih (4H, D),
-// not x_gates: the loop computes each step's input side itself (see computes_input_side).
+// Bits of a loop's option.  kInputSide: an LSTM's or a GRU's forward has its input x (N, D) as ins[0] and w_ih
+// (G H, D) as ins[4], not x_gates: the loop computes each step's input side itself (see computes_input_side).
 constexpr int kSave = 1, kRelu = 2, kInputSide = 4;
 
 // What a primitive's loop needs besides its arrays: the steps in computing order, its option bits.
@@ -825,7 +826,7 @@ void final_states(const Loop& loop, const mx::array& output, float* h_n) {
 // every tile of up to rows_per_tile_of(G) of its rows, each thread computes the tile's product h[rows] @ block and
 // gate_math(step, row, unit, units, tile row, input row, h, h_next) on it, which
 // writes the row's new h for those units into h_next; then the team meets, and h and h_next swap.  Where
-// the loop computes an LSTM's input side (input.x: see computes_input_side), the tiles first take
+// the loop computes the input side (input.x: see computes_input_side), the tiles first take
 // x[rows] @ the block's w_ih (packed as w_hh is) into input_products, whose row is gate_math's input row
 // (nullptr otherwise: gate_math reads x_gates): two products apart, added as x_gates and h's product are,
 // so that both forms round alike where the matmul sums x @ w_ih^T in the order of k, as the tiles do
@@ -866,7 +867,8 @@ inline void prefetch_row(const float* x, int hidden, int gates) {
   }
 }
 
-// Where an LSTM's loop computes its input side itself (kInputSide): its input x (N, depth) and w_ih (4H, depth).
+// Where an LSTM's or a GRU's loop computes its input side itself (kInputSide): its input x (N, depth) and w_ih
+// (G H, depth).
 struct InputSide {
   const float* x = nullptr;  // nullptr: the loop reads x_gates
   const float* w_ih = nullptr;
@@ -957,19 +959,21 @@ void lstm_forward_packed(std::vector<mx::array>& ins, std::vector<mx::array>& ou
 }
 
 // The GRU's gate math for `units` (<= kUnits) units of one row: acc holds their products with w_hh (r, z,
-// n: kUnits each), b_hh and x (r at 0, z at H, n at 2H) their biases and input sides; h_prev is the state
-// before the step.  h and out get the new h; where saved is not nullptr, the activations r, z, n and the
-// hidden side's n part (W_hn h + b_hn, which the backward reads) go to its four slots (SavedBlocks: kUnits
-// floats apart).
-inline void gru_gate_math(int units, int hidden, const float* x, const float* bias, const float* b_hh,
+// n: kUnits each), b_hh (r at 0, z at H, n at 2H) their hidden biases, x their input sides (r at x[0], z at
+// x[x_stride], n at x[2 x_stride]: a row of x_gates, stride H, or of a tile's input products, stride kUnits)
+// and bias (r at bias[0], z at bias[H], ...; or nullptr) what is added to those; h_prev is the state before
+// the step.  h and out get the new h; where saved is not nullptr, the activations r, z, n and the hidden
+// side's n part (W_hn h + b_hn, which the backward reads) go to its four slots (SavedBlocks: kUnits floats
+// apart).
+inline void gru_gate_math(int units, int hidden, const float* x, int x_stride, const float* bias, const float* b_hh,
                           const float* acc, const float* h_prev, float* h, float* out, float* saved) {
   using simd::store;
   const auto side = [&](int gate) { return simd::load(acc + gate * kUnits) + simd::load(b_hh + gate * hidden, units); };
   const Vec hs_r = side(0), hs_z = side(1), hs_n = side(2);
   Vec reset, update, n;
   const Lanes lanes{units};
-  const Vec h_new = gru_unit(biased_at(lanes, x, bias, 0), biased_at(lanes, x, bias, hidden),
-                             biased_at(lanes, x, bias, 2 * hidden), hs_r, hs_z, hs_n, lanes(h_prev), reset, update, n);
+  const auto at = [&](int gate) { return biased_at(lanes, x, gate * x_stride, bias, gate * hidden); };
+  const Vec h_new = gru_unit(at(0), at(1), at(2), hs_r, hs_z, hs_n, lanes(h_prev), reset, update, n);
   store(h, h_new, units);
   store(out, h_new, units);
   if (saved != nullptr) {
@@ -978,22 +982,26 @@ inline void gru_gate_math(int units, int hidden, const float* x, const float* bi
   }
 }
 
-// gru_forward's loop on packed weights (same ins, outs and saved arrays).
+// gru_forward's loop on packed weights (same ins, outs and saved arrays; with kInputSide, x and w_ih).
 void gru_forward_packed(std::vector<mx::array>& ins, std::vector<mx::array>& outs, const Loop& loop) {
-  const bool save = loop.option & kSave;
+  const bool save = loop.option & kSave, input_side = loop.option & kInputSide;
   const int batch = ins[3].shape(0), hidden = ins[3].shape(1);
-  const float *b_hh = ins[2].data<float>(), *bias = bias_input(ins, 4);
+  const float *b_hh = ins[2].data<float>(), *bias = bias_input(ins, input_side ? 5 : 4);
+  const InputSide input = input_side ? InputSide{ins[0].data<float>(), ins[4].data<float>(), ins[0].shape(1)}
+                                     : InputSide{};
   std::vector<float> h(ins[3].data<float>(), ins[3].data<float>() + static_cast<size_t>(batch) * hidden), h_next(h);
   const SavedBlocks layout(hidden, kGruSlots);
   float* saved = save ? outs[2].data<float>() : nullptr;
-  auto gate_math = [&](const Step& step, int r, int unit, int units, const float* acc, const float*,
+  auto gate_math = [&](const Step& step, int r, int unit, int units, const float* acc, const float* input_acc,
                        const float* current, float* next) {
     const size_t row = static_cast<size_t>(step.first) + r, at = static_cast<size_t>(r) * hidden + unit;
-    gru_gate_math(units, hidden, row_of(ins[0], row) + unit, bias != nullptr ? bias + unit : nullptr, b_hh + unit,
-                  acc, current + at, next + at, row_of(outs[0], row) + unit,
+    // the input sides: the tile's (kInputSide; r at 0, z at kUnits, n at 2 kUnits), or x_gates' (stride H)
+    const float* x = input_acc != nullptr ? input_acc : row_of(ins[0], row) + unit;
+    gru_gate_math(units, hidden, x, input_acc != nullptr ? kUnits : hidden, bias != nullptr ? bias + unit : nullptr,
+                  b_hh + unit, acc, current + at, next + at, row_of(outs[0], row) + unit,
                   save ? saved + layout.at(step, r, 0, unit) : nullptr);
   };
-  packed_steps<3>(loop, batch, hidden, ins[1].data<float>(), ins[0], h.data(), h_next.data(), gate_math);
+  packed_steps<3>(loop, batch, hidden, ins[1].data<float>(), ins[0], h.data(), h_next.data(), gate_math, input);
   final_states(loop, outs[0], outs[1].data<float>());
 }
 
@@ -1081,18 +1089,33 @@ void gru_backward_packed(std::vector<mx::array>& ins, std::vector<mx::array>& ou
 bool runs_packed(const Loop& loop) { return static_cast<int>(loop.steps.size()) >= kPackedMinSteps; }
 #endif
 
-// Whether an LSTM's packed loop computes each step's input side x_t W_ih^T itself (kInputSide), w_ih packed
-// beside w_hh and its product taken on the same tiles before h's, instead of reading x_gates, which one
-// matmul (OpenBLAS) computed for all steps before the loop.  That saves the matmul's own passes (x_gates,
-// N 4H floats, written to memory and read back a step at a time) and OpenBLAS's lower rate at these shapes
+// Whether an LSTM's or a GRU's packed loop computes each step's input side x_t W_ih^T itself (kInputSide),
+// w_ih packed beside w_hh and its product taken on the same tiles before h's, instead of reading x_gates, which
+// one matmul (OpenBLAS) computed for all steps before the loop.  That saves the matmul's own passes (x_gates,
+// N G H floats, written to memory and read back a step at a time) and OpenBLAS's lower rate at these shapes
 // (about 180 GFLOP/s at N = 12,800, D = 128, 4H = 512 on two Sapphire Rapids cores); it costs reading w_ih
-// at every step.  That pays where the input is narrow against the batch (B, the first step's rows): D <= 8 B.
-// The loop alone against the matmul + loop, interleaved (2-core Sapphire Rapids, AVX-512), (T, B, D, H) =
+// at every step.  That pays where the input is narrow against the batch (B, the first step's rows): D <= 8 B
+// with AVX-512, D <= 4 B with AVX2.
+// The LSTM's loop alone against the matmul + loop, interleaved (2-core Sapphire Rapids, AVX-512), (T, B, D, H) =
 // (200, 64, 128, 128) 0.70, (100, 128, 256, 256) 0.74, (100, 16, 128, 512) 0.86, (100, 64, 512, 512) 0.87,
 // (100, 32, 256, 512) 0.87-0.89.  Past D = 8 B a first version gained less or lost: (100, 16, 256, 512) 0.90,
 // (35, 20, 256, 650) 0.95, (35, 40, 650, 650) 1.00, (35, 20, 512, 650) 1.02, (35, 20, 650, 650) 1.06,
 // (100, 8, 512, 512) 1.15.
+// The GRU's layer (scan.gru_input_sequence against scan.gru_sequence of the matmul, interleaved, two runs, forward
+// / forward+backward; a 2-core AVX-512 Xeon): (200, 64, 128, 128) 0.77-0.78 / 0.90-0.92, (100, 32, 256, 512)
+// 0.89-0.91 / 0.96-0.99, (32, 64, 64, 128) 0.74-0.75 / 0.92-0.93, (100, 16, 128, 512) 0.90-0.91 / 0.97-0.99,
+// (100, 128, 256, 256) 0.80-0.82 / 0.93-0.96, (35, 20, 160, 650) 0.94-0.95 / 0.98-1.05; past D = 8 B as the
+// LSTM's: (100, 16, 256, 512) 0.96 / 0.99, (35, 20, 650, 650) 1.08 / 1.04, (100, 8, 512, 512) 1.17 / 1.12.
+// An AVX2 build (-march=haswell, on the same machine; forward, LSTM / GRU) gains less: D = 8 B lost at (100, 32,
+// 256, 512) 1.05 / 1.05-1.06, and was even at (100, 16, 128, 512) 0.98 / 0.99-1.01 and (35, 20, 160, 650) 1.03 /
+// 0.98-0.99; D = 4 B gained at (100, 32, 128, 512) 0.96 / 0.95, (100, 16, 64, 512) 0.93 / 0.94, (35, 20, 80, 650)
+// 0.95 / 0.95, but not at H = 256, (100, 64, 256, 256) 1.04 / 1.05; D <= 2 B (200, 64, 128, 128) 0.97 / 0.96,
+// (32, 64, 64, 128) 0.88 / 0.85-0.89, (100, 128, 256, 256) 1.00 / 1.01.
+#if defined(__AVX512F__)
 constexpr int kInputDepthPerRow = 8;
+#else
+constexpr int kInputDepthPerRow = 4;
+#endif
 bool computes_input_side(const Loop& loop, int batch, int depth) {
 #if defined(__AVX2__) && defined(__FMA__)
   return runs_packed(loop) && depth >= 1 && depth <= kInputDepthPerRow * batch;
@@ -1158,11 +1181,14 @@ void lstm_backward(std::vector<mx::array>& ins, std::vector<mx::array>& outs, co
 // ----------------------------------------------------------------- GRU (torch's: n = tanh(x_n + r (W_hn h + b_hn)))
 
 // ins: x_gates (N, 3H) = x W_ih^T (+ b_ih), w_hh (3H, H), b_hh (3H,), h0 (B, H) [, bias (3H,): b_ih]
+//   or with kInputSide: x (N, D), w_hh, b_hh, h0, w_ih (3H, D) [, bias]
 // outs: output (N, H), h_n (B, H) [, saved (N, SavedBlocks(H, kGruSlots).row_floats()): the activations r, z, n
 //   and the hidden side's n part, W_hn h + b_hn; the backward reads the state before each step from the output]
 void gru_forward(std::vector<mx::array>& ins, std::vector<mx::array>& outs, const Loop& loop) {
 #if defined(__AVX2__) && defined(__FMA__)
-  if (runs_packed(loop)) return gru_forward_packed(ins, outs, loop);
+  if ((loop.option & kInputSide) || runs_packed(loop)) {
+    return gru_forward_packed(ins, outs, loop);  // kInputSide: only where computes_input_side said so
+  }
 #endif
   const auto& steps = loop.steps;
   const int option = loop.option;
@@ -1372,6 +1398,16 @@ mx::array previous_states_product(const Loop& loop, const mx::array& d_gates, co
   return mx::matmul(mx::transpose(d_gates, s), states, s);
 }
 
+// d_x_gates (N, G H) through x_gates = x w_ih^T, in a vjp's table of gradients by input: d_x = d_x_gates w_ih
+// replaces the first, and d_w_ih = d_x_gates^T x is appended (an input-side forward's primals: x first, w_ih
+// fifth).
+void through_input_side(std::vector<mx::array>& by_input, const mx::array& d_x_gates,
+                        const std::vector<mx::array>& primals) {
+  const auto s = seqlib_cpu::cpu_stream();
+  by_input[0] = mx::matmul(d_x_gates, primals[4], s);
+  by_input.push_back(mx::matmul(mx::transpose(d_x_gates, s), primals[0], s));
+}
+
 // primals: x_gates, w_hh, h0, c0 [, bias], or with kInputSide x, w_hh, h0, c0, w_ih [, bias];
 // outputs: output, h_n, c_n, saved
 std::vector<mx::array> lstm_vjp(const Loop& loop, const std::vector<mx::array>& primals,
@@ -1379,7 +1415,6 @@ std::vector<mx::array> lstm_vjp(const Loop& loop, const std::vector<mx::array>& 
                                 const std::vector<mx::array>& outputs) {
   const bool input_side = loop.option & kInputSide;
   require_saved(loop, input_side ? "lstm_input_sequence" : "lstm_sequence");
-  const auto s = seqlib_cpu::cpu_stream();
   const int n = primals[0].shape(0), b = primals[2].shape(0), h = primals[2].shape(1);
   auto d = run_loop("LSTMSequenceBackward", lstm_backward, {{n, 4 * h}, {b, h}, {b, h}},
                     {&primals[1], &outputs[3], &primals[3], &cotangents[0], &cotangents[1], &cotangents[2]},
@@ -1387,19 +1422,18 @@ std::vector<mx::array> lstm_vjp(const Loop& loop, const std::vector<mx::array>& 
   const mx::array& d_x_gates = d[0];
   std::vector<mx::array> by_input = {d_x_gates, previous_states_product(loop, d_x_gates, outputs[0], primals[2]),
                                      d[1], d[2]};
-  if (input_side) {  // x_gates = x w_ih^T: d_x = d_x_gates w_ih, d_w_ih = d_x_gates^T x
-    by_input[0] = mx::matmul(d_x_gates, primals[4], s);
-    by_input.push_back(mx::matmul(mx::transpose(d_x_gates, s), primals[0], s));
-  }
+  if (input_side) through_input_side(by_input, d_x_gates, primals);
   add_bias_gradient(by_input, d_x_gates, primals, input_side ? 5 : 4);
   return pick(argnums, by_input);
 }
 
-// primals: x_gates, w_hh, b_hh, h0 [, bias]; outputs: output, h_n, saved
+// primals: x_gates, w_hh, b_hh, h0 [, bias], or with kInputSide x, w_hh, b_hh, h0, w_ih [, bias];
+// outputs: output, h_n, saved
 std::vector<mx::array> gru_vjp(const Loop& loop, const std::vector<mx::array>& primals,
                                const std::vector<mx::array>& cotangents, const std::vector<int>& argnums,
                                const std::vector<mx::array>& outputs) {
-  require_saved(loop, "gru_sequence");
+  const bool input_side = loop.option & kInputSide;
+  require_saved(loop, input_side ? "gru_input_sequence" : "gru_sequence");
   const auto s = seqlib_cpu::cpu_stream();
   const int n = primals[0].shape(0), b = primals[3].shape(0), h = primals[3].shape(1);
   auto d = run_loop("GRUSequenceBackward", gru_backward, {{n, 3 * h}, {n, 3 * h}, {b, h}},
@@ -1407,7 +1441,8 @@ std::vector<mx::array> gru_vjp(const Loop& loop, const std::vector<mx::array>& p
                     Loop{loop.steps, 0});
   std::vector<mx::array> by_input = {d[0], previous_states_product(loop, d[1], outputs[0], primals[3]),
                                      mx::sum(d[1], 0, false, s), d[2]};
-  add_bias_gradient(by_input, d[0], primals, 4);
+  if (input_side) through_input_side(by_input, d[0], primals);
+  add_bias_gradient(by_input, d[0], primals, input_side ? 5 : 4);
   return pick(argnums, by_input);
 }
 
@@ -1470,6 +1505,17 @@ std::vector<mx::array> lstm_sequence(const mx::array& x_gates, const mx::array& 
                   lstm_vjp);
 }
 
+// An input-side forward's x and w_ih checked against each other and the gates' width G H: x (N, D), w_ih (G H, D).
+// Returns (N, D).
+std::pair<int, int> input_side_shape(const char* op, const mx::array& x, const mx::array& w_ih, int gates) {
+  if (x.ndim() != 2) {
+    throw std::invalid_argument(std::string(op) + ": expected x of shape (N, D), got " + shape_text(x.shape()));
+  }
+  check_array(op, "x", x, {x.shape(0), x.shape(1)});
+  check_array(op, "w_ih", w_ih, {gates, x.shape(1)});
+  return {x.shape(0), x.shape(1)};
+}
+
 // lstm_sequence of x_gates = x w_ih^T, from the input x (N, D) and w_ih (4H, D): the loop computes each step's
 // input side itself where computes_input_side says so, else x_gates is one matmul before it.
 std::vector<mx::array> lstm_input_sequence(const mx::array& x, const mx::array& w_ih, const mx::array& w_hh,
@@ -1477,12 +1523,7 @@ std::vector<mx::array> lstm_input_sequence(const mx::array& x, const mx::array& 
                                            bool reverse, bool save, const std::optional<mx::array>& bias) {
   const char* op = "lstm_input_sequence";
   const auto [b_, h_] = lstm_state_shape(op, w_hh, h0, c0);
-  if (x.ndim() != 2) {
-    throw std::invalid_argument(std::string(op) + ": expected x of shape (N, D), got " + shape_text(x.shape()));
-  }
-  const int n_ = x.shape(0), d_ = x.shape(1);
-  check_array(op, "x", x, {n_, d_});
-  check_array(op, "w_ih", w_ih, {4 * h_, d_});
+  const auto [n_, d_] = input_side_shape(op, x, w_ih, 4 * h_);
   check_steps(op, batch_sizes, b_, n_);
   Loop loop{steps_of(batch_sizes, reverse), (save ? kSave : 0) | kInputSide};
   if (!computes_input_side(loop, b_, d_)) {
@@ -1511,26 +1552,56 @@ std::vector<mx::array> lstm_sequence_backward(const mx::array& w_hh, const mx::a
                   {&w_hh, &saved, &c0, &d_output, &d_h_n, &d_c_n}, batch_sizes, reverse, 0);
 }
 
+// The shapes of a GRU forward's outputs: output (N, H), h_n (B, H) [, saved (N, SavedBlocks(H,
+// kGruSlots).row_floats()): what its backward reads, where saved].  saved holds the activations and the hidden side's n part, 4H floats a row
+// (to whole blocks), where the activations, the whole hidden side and the h before each step made 7H.  One
+// layer's forward+backward on 2 cores (Sapphire Rapids, three alternated processes, medians of 15 back to back), 7H
+// -> 4H in rows -> 4H in blocks: (T, B, D, H) = (32, 64, 32, 128) 10.4-10.6 -> 9.0-9.5 ms, then 8.8-9.3 -> 7.6-7.9
+// (a quieter hour); (200, 64, 128, 128) 76-78 -> 70-72, then 67.5-69 -> 62.7-63.6; (100, 32, 256, 512) 138-144 ->
+// 132-136, then 126-127 -> 120; (35, 20, 650, 650) alike, then 59 -> 57-58.
+std::vector<mx::Shape> gru_output_shapes(int n, int b, int h, bool save) {
+  std::vector<mx::Shape> shapes = {{n, h}, {b, h}};
+  if (save) shapes.push_back({n, SavedBlocks(h, kGruSlots).row_floats()});
+  return shapes;
+}
+
+// A GRU forward's state and hidden-side weights checked against each other: h0 (B, H), w_hh (3H, H), b_hh (3H,).
+// Returns (B, H).
+std::pair<int, int> gru_state_shape(const char* op, const mx::array& w_hh, const mx::array& b_hh, const mx::array& h0) {
+  const auto [b, h] = state_shape(op, "h0", h0);
+  check_array(op, "w_hh", w_hh, {3 * h, h});
+  check_array(op, "b_hh", b_hh, {3 * h});
+  return {b, h};
+}
+
 std::vector<mx::array> gru_sequence(const mx::array& x_gates, const mx::array& w_hh, const mx::array& b_hh,
                                     const mx::array& h0, std::vector<int> batch_sizes, bool reverse, bool save,
                                     const std::optional<mx::array>& bias) {
   const char* op = "gru_sequence";
-  const auto [b_, h_] = state_shape(op, "h0", h0);
-  check_array(op, "w_hh", w_hh, {3 * h_, h_});
-  check_array(op, "b_hh", b_hh, {3 * h_});
+  const auto [b_, h_] = gru_state_shape(op, w_hh, b_hh, h0);
   check_array(op, "x_gates", x_gates, {x_gates.ndim() == 2 ? x_gates.shape(0) : 0, 3 * h_});
   check_steps(op, batch_sizes, b_, x_gates.shape(0));
-  const int n = x_gates.shape(0), b = h0.shape(0), h = h0.shape(1);
-  // saved (SavedBlocks): the activations and the hidden side's n part, 4H floats a row (to whole blocks), where
-  // the activations, the whole hidden side and the h before each step made 7H.  One layer's forward+backward on
-  // 2 cores (Sapphire Rapids, three alternated processes, medians of 15 back to back), 7H -> 4H in rows -> 4H in
-  // blocks: (T, B, D, H) = (32, 64, 32, 128) 10.4-10.6 -> 9.0-9.5 ms, then 8.8-9.3 -> 7.6-7.9 (a quieter hour);
-  // (200, 64, 128, 128) 76-78 -> 70-72, then 67.5-69 -> 62.7-63.6; (100, 32, 256, 512) 138-144 -> 132-136, then
-  // 126-127 -> 120; (35, 20, 650, 650) alike, then 59 -> 57-58.
-  std::vector<mx::Shape> shapes = {{n, h}, {b, h}};
-  if (save) shapes.push_back({n, SavedBlocks(h, kGruSlots).row_floats()});
-  return sequence("GRUSequence", gru_forward, shapes, with_bias(op, {&x_gates, &w_hh, &b_hh, &h0}, bias, 3 * h),
-                  batch_sizes, reverse, save ? kSave : 0, gru_vjp);
+  return sequence("GRUSequence", gru_forward, gru_output_shapes(x_gates.shape(0), b_, h_, save),
+                  with_bias(op, {&x_gates, &w_hh, &b_hh, &h0}, bias, 3 * h_), batch_sizes, reverse,
+                  save ? kSave : 0, gru_vjp);
+}
+
+// gru_sequence of x_gates = x w_ih^T, from the input x (N, D) and w_ih (3H, D): as lstm_input_sequence, the loop
+// computes each step's input side itself where computes_input_side says so, else x_gates is one matmul before it.
+std::vector<mx::array> gru_input_sequence(const mx::array& x, const mx::array& w_ih, const mx::array& w_hh,
+                                          const mx::array& b_hh, const mx::array& h0, std::vector<int> batch_sizes,
+                                          bool reverse, bool save, const std::optional<mx::array>& bias) {
+  const char* op = "gru_input_sequence";
+  const auto [b_, h_] = gru_state_shape(op, w_hh, b_hh, h0);
+  const auto [n_, d_] = input_side_shape(op, x, w_ih, 3 * h_);
+  check_steps(op, batch_sizes, b_, n_);
+  Loop loop{steps_of(batch_sizes, reverse), (save ? kSave : 0) | kInputSide};
+  if (!computes_input_side(loop, b_, d_)) {
+    const auto s = seqlib_cpu::cpu_stream();
+    return gru_sequence(mx::matmul(x, mx::transpose(w_ih, s), s), w_hh, b_hh, h0, batch_sizes, reverse, save, bias);
+  }
+  return run_loop("GRUSequence", gru_forward, gru_output_shapes(n_, b_, h_, save),
+                  with_bias(op, {&x, &w_hh, &b_hh, &h0, &w_ih}, bias, 3 * h_), std::move(loop), gru_vjp);
 }
 
 // The backward of gru_sequence from its saved array (its third output where save is true), output and h0.
@@ -2224,6 +2295,8 @@ void seqlib_cpu::register_recurrent(nb::module_& m) {
         "d_output"_a, "d_h_n"_a, "d_c_n"_a, "batch_sizes"_a, "reverse"_a);
   m.def("gru_sequence", &gru_sequence, "x_gates"_a, "w_hh"_a, "b_hh"_a, "h0"_a, "batch_sizes"_a, "reverse"_a,
         "save"_a, "bias"_a = nb::none());
+  m.def("gru_input_sequence", &gru_input_sequence, "x"_a, "w_ih"_a, "w_hh"_a, "b_hh"_a, "h0"_a, "batch_sizes"_a,
+        "reverse"_a, "save"_a, "bias"_a = nb::none());
   m.def("gru_sequence_backward", &gru_sequence_backward, "w_hh"_a, "saved"_a, "output"_a, "h0"_a,
         "d_output"_a, "d_h_n"_a, "batch_sizes"_a, "reverse"_a);
   m.def("rnn_sequence", &rnn_sequence, "x_gates"_a, "w_hh"_a, "h0"_a, "batch_sizes"_a, "reverse"_a, "relu"_a,

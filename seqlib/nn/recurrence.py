@@ -139,7 +139,9 @@ class GRURecurrence(Recurrence):
         stepped = self._step_now(rows, states, [suffix]) if len(batch_sizes) == 1 else None
         if stepped is not None:
             return stepped
-        x_gates, input_bias = self._input_side(rows, suffix, fold_hidden_bias=False)  # b_hn sits inside r * (...)
         weight_hh = getattr(self, "weight_hh" + suffix)
         bias_hh = getattr(self, "bias_hh" + suffix) if self.bias else mx.zeros((weight_hh.shape[0],), rows.dtype)
-        return scan.gru_sequence(x_gates, weight_hh, bias_hh, states[0], batch_sizes, reverse, input_bias=input_bias)
+        input_bias = self._input_bias(suffix, fold_hidden_bias=False)  # b_hn sits inside r * (...)
+        # the C++ loop may compute the input side itself
+        return scan.gru_input_sequence(rows, getattr(self, "weight_ih" + suffix), weight_hh, bias_hh, states[0],
+                                       batch_sizes, reverse, input_bias=input_bias)
