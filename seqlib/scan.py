@@ -282,9 +282,10 @@ def lstm_input_sequence(x, w_ih, w_hh, h0, c0, batch_sizes, reverse=False, *, in
 
     x: (N, D) the input rows; w_ih: (4H, D); the rest as :func:`lstm_sequence`'s (no projection).  Where
     seqlib's C++ loop runs (:mod:`seqlib.native`, on packed weights) and the input is narrow against the
-    batch (D <= 8 B, B = batch_sizes[0]), the loop computes each step's input side ``x_t @ w_ih.T`` itself, on the
-    tiles of the recurrent product, instead of reading the (N, 4H) ``x_gates`` that one matmul wrote
-    before it; elsewhere this is that matmul and :func:`lstm_sequence`.
+    batch (D <= 8 B with AVX-512, D <= 4 B with AVX2; B = batch_sizes[0]), the loop computes each step's
+    input side ``x_t @ w_ih.T`` itself, on the tiles of the recurrent product, instead of reading the
+    (N, 4H) ``x_gates`` that one matmul wrote before it; elsewhere this is that matmul and
+    :func:`lstm_sequence`.
     """
     batch, hidden_size = _check_lstm_state(w_hh, h0, c0, None, input_bias)
     _check_input_rows(x, w_ih, 4 * hidden_size, c0.dtype)
@@ -378,9 +379,9 @@ def gru_input_sequence(x, w_ih, w_hh, b_hh, h0, batch_sizes, reverse=False, *, i
     """A GRU over packed rows of its input: ``gru_sequence(x @ w_ih.T, w_hh, b_hh, h0, batch_sizes, reverse,
     input_bias=input_bias)``, the same numbers to float32 rounding; returns ``output (N, H), h_n (B, H)``.
 
-    x: (N, D) the input rows; w_ih: (3H, D); the rest as :func:`gru_sequence`'s.  Where seqlib's C++ loop
-    computes the input side itself is :func:`lstm_input_sequence`'s rule (D <= 8 B); elsewhere this is one
-    matmul and :func:`gru_sequence`.
+    x: (N, D) the input rows; w_ih: (3H, D); the rest as :func:`gru_sequence`'s.  Seqlib's C++ loop computes
+    each step's input side itself where :func:`lstm_input_sequence`'s does (D <= 8 B with AVX-512, D <= 4 B
+    with AVX2); elsewhere this is one matmul and :func:`gru_sequence`.
     """
     batch, hidden_size = _check_gru_state(w_hh, b_hh, h0, input_bias)
     _check_input_rows(x, w_ih, 3 * hidden_size, h0.dtype)

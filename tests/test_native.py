@@ -242,16 +242,16 @@ def test_a_bias_of_the_wrong_shape_is_refused():
         native.extension().lstm_sequence(*arguments, [3, 3], False, False, bias=random((2,), 5))
 
 
-# (lengths of the sequences, D, H) for scan.lstm_input_sequence and gru_input_sequence: the loop computes the input
-# side where it runs packed (4 steps or more, AVX2) and D <= 8 B with AVX-512, 4 B with AVX2 (B the longest step's
-# rows); else a matmul computes x_gates.
+# (lengths of the sequences, D, H, whether the loop computes the input side) for scan.lstm_input_sequence and
+# gru_input_sequence: the loop computes it where it runs packed (4 steps or more, AVX2) and D <= 8 B with AVX-512,
+# 4 B with AVX2 (B the longest step's rows, here the number of sequences); else a matmul computes x_gates.
 INPUT_CASES = [
-    ([12] * 9 + [11] * 5 + [1], 56, 48),  # 15 sequences: D = 56 <= 60, blocks whole
-    ([12] * 9 + [11] * 5 + [1], 7, 37),  # a partial block of units, D below a vector
-    ([6] * 40, 130, 70),  # D past a depth chunk of the tiles (128)
-    ([7] * 2 + [3], 12, 300),  # small batch, wide: a team of threads shares the blocks
-    ([5] * 4, 200, 16),  # D > 8 B: a matmul, then the loop on x_gates
-    ([3] * 16, 32, 32),  # too few steps to pack: a matmul, then OpenBLAS's loop
+    ([12] * 9 + [11] * 5 + [1], 56, 48, True),  # 15 sequences: D = 56 <= 60, blocks whole
+    ([12] * 9 + [11] * 5 + [1], 7, 37, True),  # a partial block of units, D below a vector
+    ([6] * 40, 130, 70, True),  # D past a depth chunk of the tiles (128)
+    ([7] * 2 + [3], 12, 300, True),  # small batch, wide: a team of threads shares the blocks
+    ([5] * 4, 200, 16, False),  # D > 8 B: a matmul, then the loop on x_gates
+    ([3] * 16, 32, 32, False),  # too few steps to pack: a matmul, then OpenBLAS's loop
 ]
 
 
@@ -262,7 +262,6 @@ def cpu_has(flag: str) -> bool:
             return f" {flag} " in file.read().replace("\n", " ") + " "
     except OSError:
         return False
-
 
 
 # For each kind given its input: its gates, its states, the sequence function given the input and the one given
@@ -281,6 +280,12 @@ INPUT_KINDS = {
 }  # fmt: skip
 
 
+def graph_of(output: mx.array, tmp_path) -> str:
+    """output's graph in DOT: the names of the primitives that compute it."""
+    mx.export_to_dot(str(tmp_path / "graph.dot"), output)
+    return (tmp_path / "graph.dot").read_text()
+
+
 def input_kind_states(kind: str, batch: int, hidden_size: int, seed: int) -> list[mx.array]:
     """The arrays after w_hh of a sequence given its input: the LSTM's h0, c0; the GRU's b_hh, h0."""
     names = INPUT_KINDS[kind][1]
@@ -293,14 +298,14 @@ def input_kind_states(kind: str, batch: int, hidden_size: int, seed: int) -> lis
 @pytest.mark.parametrize("reverse", [False, True])
 @pytest.mark.parametrize("with_bias", [True, False])
 @pytest.mark.parametrize("kind", ["lstm", "gru"])
-def test_a_layer_given_its_input_equals_one_given_its_input_product(kind, case, reverse, with_bias):
+def test_a_layer_given_its_input_equals_one_given_its_input_product(kind, case, reverse, with_bias, tmp_path):
     """scan.lstm_input_sequence(x, w_ih, ...) is scan.lstm_sequence(x @ w_ih.T, ...), and gru_input_sequence is
     gru_sequence so: outputs, and the gradients of every argument (x's and w_ih's from the loop's d_x_gates).
-    Where the loop computes the input side it adds x_t's product and h's as x_gates and h's product are added, so
-    the two agree to float32 rounding (on this machine to the bit, where OpenBLAS sums x @ w_ih.T in the order of
-    k)."""
+    Where the loop computes the input side (no matmul in the forward's graph: checked) it adds x_t's product and
+    h's as x_gates and h's product are added, so the two agree to float32 rounding (on this machine to the bit,
+    where OpenBLAS sums x @ w_ih.T in the order of k)."""
     gates, state_names, given_input_of, given_product_of = INPUT_KINDS[kind]
-    lengths, input_size, hidden_size = case
+    lengths, input_size, hidden_size, computed_in_the_loop = case
     batch_sizes = packed_batch_sizes(lengths)
     rows, batch, seed = sum(batch_sizes), batch_sizes[0], input_size + hidden_size
     arguments = [random((rows, input_size), seed, 1.0), random((gates * hidden_size, input_size), seed + 1, 0.3),
@@ -308,7 +313,7 @@ def test_a_layer_given_its_input_equals_one_given_its_input_product(kind, case, 
                  *input_kind_states(kind, batch, hidden_size, seed + 3)]  # fmt: skip
     bias = random((gates * hidden_size,), seed + 5) if with_bias else None
     cotangents = [random((rows, hidden_size), seed + 6), random((batch, hidden_size), seed + 7),
-                  random((batch, hidden_size), seed + 8)][: len(state_names) + 1 if kind == "lstm" else 2]
+                  random((batch, hidden_size), seed + 8)][: 3 if kind == "lstm" else 2]
     given_input, given_product = given_input_of(batch_sizes, reverse), given_product_of(batch_sizes, reverse)
     primals = arguments + ([bias] if with_bias else [])
     outputs, grads = mx.vjp(given_input, primals, cotangents)
@@ -318,6 +323,10 @@ def test_a_layer_given_its_input_equals_one_given_its_input_product(kind, case, 
     for name, mine, theirs in zip(names, [*outputs, *grads], [*want_outputs, *want_grads], strict=True):
         assert_close_at_scale(mine, theirs, TOLERANCE, name)
     inference = given_input(*primals)  # outside the vjp: saves nothing
+    graph = graph_of(inference[0], tmp_path)  # before evaluating it, which leaves the array alone
+    assert ("LSTMSequence" if kind == "lstm" else "GRUSequence") in graph
+    if cpu_has("avx2"):  # where the packed loops run
+        assert ("Matmul" not in graph) == computed_in_the_loop
     for mine, theirs in zip(inference, want_outputs, strict=True):
         assert_close_at_scale(mine, theirs, TOLERANCE)
 
@@ -338,8 +347,7 @@ def test_the_loop_computes_its_input_side_only_where_the_input_is_narrow(kind, i
     w_ih = random((gates * hidden_size, input_size), 2, 0.2)
     w_hh = random((gates * hidden_size, hidden_size), 3, 0.2)
     output = given_input_of([batch] * steps, False)(x, w_ih, w_hh, *input_kind_states(kind, batch, hidden_size, 4))[0]
-    mx.export_to_dot(str(tmp_path / "graph.dot"), output)
-    graph = (tmp_path / "graph.dot").read_text()
+    graph = graph_of(output, tmp_path)
     assert ("LSTMSequence" if kind == "lstm" else "GRUSequence") in graph
     assert ("Matmul" not in graph) == computed_in_the_loop
 
@@ -548,7 +556,7 @@ INPUT_STEPS = """
     from seqlib import scan
     rng = np.random.default_rng(0)
     results = []
-    for (steps, batch, hidden, input_size), gates in [(s, g) for s in {shapes} for g in (4, 3)]:  # D <= 8 B: the
+    for (steps, batch, hidden, input_size), gates in [(s, g) for s in {shapes} for g in (4, 3)]:  # D <= 4 B: the
         batch_sizes = [batch] * (steps - 2) + [max(batch - 7, 1), max(batch // 2, 1)]  # loops compute the input side
         rows = sum(batch_sizes)
         width = gates * hidden

@@ -391,18 +391,24 @@ BAD_BATCH_SIZES = {
     "sum far too long": ([2] * 40, ValueError, ["batch_sizes", "x_gates has 3 rows"]),
 }
 SEQUENCE_FUNCTIONS = ("kernels.lstm_sequence_forward", "kernels.gru_sequence_forward", "scan.lstm_sequence",
-                      "scan.gru_sequence", "scan.rnn_sequence")  # fmt: skip
+                      "scan.gru_sequence", "scan.rnn_sequence", "scan.lstm_input_sequence",
+                      "scan.gru_input_sequence")  # fmt: skip
 
 
 def sequence_arguments(function, rows=3, batch=2, hidden_size=4, dtype=mx.float32):
-    """Well-formed arguments for ``function`` except batch_sizes, which the caller passes."""
+    """Well-formed arguments for ``function`` except batch_sizes, which the caller passes (in its order: the
+    input-side sequences take x and w_ih where the others take x_gates)."""
     blocks = {"lstm": 4, "gru": 3, "rnn": 1}[function.split(".")[1].split("_")[0]]
     rng = np.random.default_rng(0)
 
     def draw(*shape):
         return mx.array(rng.normal(0, 0.5, shape).astype(np.float32)).astype(dtype)
 
-    arguments = {"x_gates": draw(rows, blocks * hidden_size), "w_hh": draw(blocks * hidden_size, hidden_size)}
+    if "_input_" in function:
+        arguments = {"x": draw(rows, 3), "w_ih": draw(blocks * hidden_size, 3)}
+    else:
+        arguments = {"x_gates": draw(rows, blocks * hidden_size)}
+    arguments["w_hh"] = draw(blocks * hidden_size, hidden_size)
     if blocks == 3:
         arguments["b_hh"] = draw(blocks * hidden_size)
     arguments["h0"] = draw(batch, hidden_size)
@@ -431,6 +437,8 @@ def call_sequence_function(function, backend, batch_sizes, reverse=False, **over
 @pytest.mark.parametrize("case", list(BAD_BATCH_SIZES))
 def test_bad_batch_sizes_for_a_direct_call_are_refused_not_truncated(case, function):
     batch_sizes, error, words = BAD_BATCH_SIZES[case]
+    if "_input_" in function:  # its rows are x's
+        words = [word.replace("x_gates", "x") for word in words]
     backend = "metal" if function.startswith("kernels") else "ops"
     outcome = run_isolated(call_sequence_function, function, backend, batch_sizes)
     assert_clear_error(outcome, *words, allowed=(error,), case=f"{case} -> {function}")

@@ -600,7 +600,7 @@ class AlignedFloats {
 // Blocks [first, end) of w (G H, K), G = gates: 4 (LSTM) or 3 (GRU), packed into (blocks, K, G kUnits):
 // packed[b][k][g kUnits + u] = w[g H + kUnits b + u][k]; zero past H.  Row k of a block is written whole, from
 // one float of each of its source rows.
-// w is w_hh (K = H) or, where an LSTM's loop computes its input side, w_ih (K = D).
+// w is w_hh (K = H) or, where an LSTM's or a GRU's loop computes its input side, w_ih (K = D).
 // Each thread of a packed loop packs the blocks it multiplies by (they then sit in its own caches).
 void pack_gate_blocks(const float* w, int hidden, int depth, int gates, int first, int end, float* packed) {
   const int width = gates * kUnits;
@@ -1525,6 +1525,7 @@ std::vector<mx::array> lstm_input_sequence(const mx::array& x, const mx::array& 
   const auto [b_, h_] = lstm_state_shape(op, w_hh, h0, c0);
   const auto [n_, d_] = input_side_shape(op, x, w_ih, 4 * h_);
   check_steps(op, batch_sizes, b_, n_);
+  if (bias) check_array(op, "bias", *bias, {4 * h_});  // here, not in the matmul's lstm_sequence below
   Loop loop{steps_of(batch_sizes, reverse), (save ? kSave : 0) | kInputSide};
   if (!computes_input_side(loop, b_, d_)) {
     const auto s = seqlib_cpu::cpu_stream();
@@ -1553,12 +1554,13 @@ std::vector<mx::array> lstm_sequence_backward(const mx::array& w_hh, const mx::a
 }
 
 // The shapes of a GRU forward's outputs: output (N, H), h_n (B, H) [, saved (N, SavedBlocks(H,
-// kGruSlots).row_floats()): what its backward reads, where saved].  saved holds the activations and the hidden side's n part, 4H floats a row
-// (to whole blocks), where the activations, the whole hidden side and the h before each step made 7H.  One
-// layer's forward+backward on 2 cores (Sapphire Rapids, three alternated processes, medians of 15 back to back), 7H
-// -> 4H in rows -> 4H in blocks: (T, B, D, H) = (32, 64, 32, 128) 10.4-10.6 -> 9.0-9.5 ms, then 8.8-9.3 -> 7.6-7.9
-// (a quieter hour); (200, 64, 128, 128) 76-78 -> 70-72, then 67.5-69 -> 62.7-63.6; (100, 32, 256, 512) 138-144 ->
-// 132-136, then 126-127 -> 120; (35, 20, 650, 650) alike, then 59 -> 57-58.
+// kGruSlots).row_floats()): what its backward reads, where saved].  saved holds the activations and the hidden
+// side's n part, 4H floats a row (to whole blocks), where the activations, the whole hidden side and the h
+// before each step made 7H.  One layer's forward+backward on 2 cores (Sapphire Rapids, three alternated
+// processes, medians of 15 back to back), 7H -> 4H in rows -> 4H in blocks: (T, B, D, H) = (32, 64, 32, 128)
+// 10.4-10.6 -> 9.0-9.5 ms, then 8.8-9.3 -> 7.6-7.9 (a quieter hour); (200, 64, 128, 128) 76-78 -> 70-72, then
+// 67.5-69 -> 62.7-63.6; (100, 32, 256, 512) 138-144 -> 132-136, then 126-127 -> 120; (35, 20, 650, 650) alike,
+// then 59 -> 57-58.
 std::vector<mx::Shape> gru_output_shapes(int n, int b, int h, bool save) {
   std::vector<mx::Shape> shapes = {{n, h}, {b, h}};
   if (save) shapes.push_back({n, SavedBlocks(h, kGruSlots).row_floats()});
@@ -1595,6 +1597,7 @@ std::vector<mx::array> gru_input_sequence(const mx::array& x, const mx::array& w
   const auto [b_, h_] = gru_state_shape(op, w_hh, b_hh, h0);
   const auto [n_, d_] = input_side_shape(op, x, w_ih, 3 * h_);
   check_steps(op, batch_sizes, b_, n_);
+  if (bias) check_array(op, "bias", *bias, {3 * h_});  // here, not in the matmul's gru_sequence below
   Loop loop{steps_of(batch_sizes, reverse), (save ? kSave : 0) | kInputSide};
   if (!computes_input_side(loop, b_, d_)) {
     const auto s = seqlib_cpu::cpu_stream();

@@ -11,8 +11,9 @@ training.  Parameters are attributes named as in torch's ``state_dict()``::
 
 with suffix ``""`` or ``"_reverse"``, G gate blocks (1, 4 or 3) and P = H unless
 projected.  Every direction of every layer is one call of
-:mod:`seqlib.scan`: one matmul for the input side of all steps, then the
-step loop with its hand-written backward.
+:mod:`seqlib.scan`: one matmul for the input side of all steps (or, for an
+LSTM or GRU whose input is narrow, that product taken inside seqlib's C++
+loop), then the step loop with its hand-written backward.
 
 Shapes (torch's): input (T, B, D), or (B, T, D) with ``batch_first``, or
 unbatched (T, D), or a :class:`~seqlib.nn.utils.rnn.PackedSequence`.  Output
