@@ -376,6 +376,10 @@ def test_a_layer_given_its_input_refuses_arguments_that_do_not_fit(kind):
         call(x.reshape(4, 3, 5), random((gates * 2, 5), 4))
     with pytest.raises(ValueError, match=rf"{op}: expected w_ih float32 of shape \({gates * 2}, 5\)"):
         call(x, random((gates * 2, 4), 4))
+    for batch_sizes in ([3] * 4, [4] * 3):  # the loop's input side, and (3 steps) the matmul before the loop
+        with pytest.raises(ValueError, match=rf"{op}: expected bias float32 of shape \({gates * 2},\)"):
+            binding(x, random((gates * 2, 5), 4), w_hh, *input_kind_states(kind, batch_sizes[0], 2, 3), batch_sizes,
+                    False, False, random((gates,), 5))
 
 
 @linux_only

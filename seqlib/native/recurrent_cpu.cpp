@@ -1525,14 +1525,13 @@ std::vector<mx::array> lstm_input_sequence(const mx::array& x, const mx::array& 
   const auto [b_, h_] = lstm_state_shape(op, w_hh, h0, c0);
   const auto [n_, d_] = input_side_shape(op, x, w_ih, 4 * h_);
   check_steps(op, batch_sizes, b_, n_);
-  if (bias) check_array(op, "bias", *bias, {4 * h_});  // here, not in the matmul's lstm_sequence below
+  auto inputs = with_bias(op, {&x, &w_hh, &h0, &c0, &w_ih}, bias, 4 * h_);  // checks bias under this op's name
   Loop loop{steps_of(batch_sizes, reverse), (save ? kSave : 0) | kInputSide};
   if (!computes_input_side(loop, b_, d_)) {
     const auto s = seqlib_cpu::cpu_stream();
     return lstm_sequence(mx::matmul(x, mx::transpose(w_ih, s), s), w_hh, h0, c0, batch_sizes, reverse, save, bias);
   }
-  return run_loop("LSTMSequence", lstm_forward, lstm_output_shapes(n_, b_, h_, save),
-                  with_bias(op, {&x, &w_hh, &h0, &c0, &w_ih}, bias, 4 * h_), std::move(loop), lstm_vjp);
+  return run_loop("LSTMSequence", lstm_forward, lstm_output_shapes(n_, b_, h_, save), std::move(inputs), std::move(loop), lstm_vjp);
 }
 
 // The backward of lstm_sequence from its saved array (its fourth output where save is true) and c0.
@@ -1597,14 +1596,13 @@ std::vector<mx::array> gru_input_sequence(const mx::array& x, const mx::array& w
   const auto [b_, h_] = gru_state_shape(op, w_hh, b_hh, h0);
   const auto [n_, d_] = input_side_shape(op, x, w_ih, 3 * h_);
   check_steps(op, batch_sizes, b_, n_);
-  if (bias) check_array(op, "bias", *bias, {3 * h_});  // here, not in the matmul's gru_sequence below
+  auto inputs = with_bias(op, {&x, &w_hh, &b_hh, &h0, &w_ih}, bias, 3 * h_);  // checks bias under this op's name
   Loop loop{steps_of(batch_sizes, reverse), (save ? kSave : 0) | kInputSide};
   if (!computes_input_side(loop, b_, d_)) {
     const auto s = seqlib_cpu::cpu_stream();
     return gru_sequence(mx::matmul(x, mx::transpose(w_ih, s), s), w_hh, b_hh, h0, batch_sizes, reverse, save, bias);
   }
-  return run_loop("GRUSequence", gru_forward, gru_output_shapes(n_, b_, h_, save),
-                  with_bias(op, {&x, &w_hh, &b_hh, &h0, &w_ih}, bias, 3 * h_), std::move(loop), gru_vjp);
+  return run_loop("GRUSequence", gru_forward, gru_output_shapes(n_, b_, h_, save), std::move(inputs), std::move(loop), gru_vjp);
 }
 
 // The backward of gru_sequence from its saved array (its third output where save is true), output and h0.
