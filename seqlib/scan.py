@@ -285,7 +285,10 @@ def lstm_input_sequence(x, w_ih, w_hh, h0, c0, batch_sizes, reverse=False, *, in
     batch (D <= 8 B with AVX-512, D <= 4 B with AVX2; B = batch_sizes[0]), the loop computes each step's
     input side ``x_t @ w_ih.T`` itself, on the tiles of the recurrent product, instead of reading the
     (N, 4H) ``x_gates`` that one matmul wrote before it; elsewhere this is that matmul and
-    :func:`lstm_sequence`.
+    :func:`lstm_sequence`.  Where the loop computed the input side and the weight gradients are small
+    (4H (D + H) floats in at most 512 KB), its backward loop adds each step's share of ``d_w_ih``, ``d_w_hh``
+    and the bias's gradient, and takes ``d_x``'s rows, while the step's gradients are in cache, instead of
+    the matmuls over all rows after it.
     """
     batch, hidden_size = _check_lstm_state(w_hh, h0, c0, None, input_bias)
     _check_input_rows(x, w_ih, 4 * hidden_size, c0.dtype)
@@ -381,7 +384,8 @@ def gru_input_sequence(x, w_ih, w_hh, b_hh, h0, batch_sizes, reverse=False, *, i
 
     x: (N, D) the input rows; w_ih: (3H, D); the rest as :func:`gru_sequence`'s.  Seqlib's C++ loop computes
     each step's input side itself where :func:`lstm_input_sequence`'s does (D <= 8 B with AVX-512, D <= 4 B
-    with AVX2); elsewhere this is one matmul and :func:`gru_sequence`.
+    with AVX2), and its backward loop takes the gradients of x, w_ih, w_hh, b_hh and the bias where the
+    LSTM's does (3H (D + H) floats in at most 512 KB); elsewhere this is one matmul and :func:`gru_sequence`.
     """
     batch, hidden_size = _check_gru_state(w_hh, b_hh, h0, input_bias)
     _check_input_rows(x, w_ih, 3 * hidden_size, h0.dtype)

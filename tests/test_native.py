@@ -568,16 +568,17 @@ INPUT_STEPS = """
                                        in (((rows, input_size), 1.0), ((width, input_size), input_size ** -0.5),
                                            ((width, hidden), hidden ** -0.5), ((width,), 0.1),
                                            ((batch, hidden), 1.0), ((batch, hidden), 1.0)))
-        b_hh = bias[::-1]  # the GRU's
+        b_hh = bias[::-1] + 0  # the GRU's
         for reverse in (False, True):
             if gates == 4:
-                run = lambda x, w_ih, w_hh: scan.lstm_input_sequence(x, w_ih, w_hh, h0, c0, batch_sizes, reverse,
-                                                                      input_bias=bias)
+                run = lambda x, w_ih, w_hh, bias, b_hh: scan.lstm_input_sequence(x, w_ih, w_hh, h0, c0, batch_sizes,
+                                                                                  reverse, input_bias=bias)
             else:
-                run = lambda x, w_ih, w_hh: scan.gru_input_sequence(x, w_ih, w_hh, b_hh, h0, batch_sizes, reverse,
-                                                                     input_bias=bias)
-            outputs, grads = mx.vjp(run, [x, w_ih, w_hh], [mx.ones_like(o) for o in run(x, w_ih, w_hh)])
-            results += [*outputs, *grads, *run(x, w_ih, w_hh)]
+                run = lambda x, w_ih, w_hh, bias, b_hh: scan.gru_input_sequence(x, w_ih, w_hh, b_hh, h0, batch_sizes,
+                                                                                 reverse, input_bias=bias)
+            primals = [x, w_ih, w_hh, bias, b_hh]
+            outputs, grads = mx.vjp(run, primals, [mx.ones_like(o) for o in run(*primals)])
+            results += [*outputs, *grads, *run(*primals)]
     np.savez(sys.argv[1], *[np.array(r) for r in results])
 """
 
@@ -637,11 +638,45 @@ def test_loops_on_several_streams_at_once_share_the_workers_or_start_their_own()
 
 
 @linux_only
+@pytest.mark.skipif(not cpu_has("avx2"), reason="the packed loops need AVX2 and FMA")
+@pytest.mark.parametrize(("hidden_size", "in_the_loop"), [(32, True), (224, False)])
+@pytest.mark.parametrize("kind", ["lstm", "gru"])
+def test_the_backward_takes_the_input_sides_gradients_only_where_they_are_small(kind, hidden_size, in_the_loop,
+                                                                                tmp_path):  # fmt: skip
+    """Where the forward computed its input side, the backward's loop takes d_x, d_w_ih, d_w_hh and the biases'
+    gradients itself while those fit 512 KB (G H (D + H) floats: no matmul in their graph, nor a sum), else the
+    vjp's matmuls after the loop; both agree with the layer given its input product."""
+    gates, _, given_input_of, given_product_of = INPUT_KINDS[kind]
+    batch, input_size, steps = 8, 32, 6  # D <= 4 B: the forward computes its input side on AVX2 and AVX-512
+    batch_sizes = [batch] * (steps - 1) + [batch - 3]
+    rows = sum(batch_sizes)
+    arguments = [random((rows, input_size), 1), random((gates * hidden_size, input_size), 2, 0.2),
+                 random((gates * hidden_size, hidden_size), 3, recurrent_scale(hidden_size)),
+                 *input_kind_states(kind, batch, hidden_size, 4), random((gates * hidden_size,), 6)]  # fmt: skip
+    cotangent = random((rows, hidden_size), 7)
+
+    def loss(function):
+        return lambda *arguments: (function(batch_sizes, False)(*arguments)[0] * cotangent).sum()
+
+    argnums = tuple(range(len(arguments)))
+    grads = mx.grad(loss(given_input_of), argnums)(*arguments)
+    graph = graph_of(grads[1], tmp_path)  # d_w_ih, read before it is evaluated
+    assert ("LSTMSequenceBackward" if kind == "lstm" else "GRUSequenceBackward") in graph
+    assert ("Matmul" not in graph) == in_the_loop
+    assert ("Sum" not in graph_of(grads[-1], tmp_path)) == in_the_loop  # the bias's gradient
+    want = mx.grad(loss(given_product_of), argnums)(*arguments)
+    for name, mine, theirs in zip(["d_x", "d_w_ih", "d_w_hh", "d_state0", "d_state1", "d_bias"], grads, want,
+                                  strict=True):  # fmt: skip
+        assert_close_at_scale(mine, theirs, TOLERANCE, name)
+
+
+@linux_only
 def test_packed_loops_shared_among_threads_give_the_bits_of_one_thread(tmp_path):
     """The packed forward loops share a step's blocks of units among threads, and where those are too few for the
     threads, its rows too; each output's products add in the same order whichever thread computes it, so every
     thread count (1 to 4; more where the machine has them) gives the same outputs, saved arrays and gradients.
-    So do the LSTM's and the GRU's loops that compute their input side (D <= 4 B: at batch 1, D = 4)."""
+    So do the LSTM's and the GRU's loops that compute their input side (D <= 4 B: at batch 1, D = 4), and their
+    backward loops that take the input side's gradients (weights and biases) too."""
     counts = ("1", "2", "3", "4", "16")
     assert_every_thread_count_gives_the_same_bits(BIG_STEPS.format(shapes=LARGE_STEPS, gate_counts=(4, 3)), tmp_path,
                                                   counts=counts)  # fmt: skip

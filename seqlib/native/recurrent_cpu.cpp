@@ -167,6 +167,7 @@ inline void store(float* p, Vec v, int lanes = kLanes) {
   _mm512_mask_storeu_ps(p, first(lanes), v);
 }
 inline Vec fma(Vec a, Vec b, Vec c) { return _mm512_fmadd_ps(a, b, c); }  // a b + c, rounded once
+inline Vec broadcast(float x) { return _mm512_set1_ps(x); }
 // 1 where x > clip, -1 where x < -clip, else value (NaN: neither)
 inline Vec clipped(Vec x, Vec value, float clip) {
   const __mmask16 high = _mm512_cmp_ps_mask(x, _mm512_set1_ps(clip), _CMP_GT_OQ);
@@ -187,6 +188,7 @@ inline void store(float* p, Vec v, int lanes = kLanes) {
   _mm256_maskstore_ps(p, first(lanes), v);
 }
 inline Vec fma(Vec a, Vec b, Vec c) { return _mm256_fmadd_ps(a, b, c); }
+inline Vec broadcast(float x) { return _mm256_set1_ps(x); }
 inline Vec clipped(Vec x, Vec value, float clip) {
   const Vec high = _mm256_cmp_ps(x, _mm256_set1_ps(clip), _CMP_GT_OQ);
   const Vec low = _mm256_cmp_ps(x, _mm256_set1_ps(-clip), _CMP_LT_OQ);
@@ -1005,6 +1007,150 @@ void gru_forward_packed(std::vector<mx::array>& ins, std::vector<mx::array>& out
   final_states(loop, outs[0], outs[1].data<float>());
 }
 
+// ----------------------------------------------------------------- the input side's gradients inside the backward
+//
+// Where a forward computed its input side in the loop (kInputSide), its backward takes in its loop what the vjp
+// would otherwise compute after it with four MLX operations over all N rows of d_gates (N, G H): d_x = d_gates
+// w_ih (N, D), d_w_ih = d_gates^T x (G H, D), d_w_hh = d_gates^T h_prev (G H, H) (h_prev: the state each row's
+// step started from, as previous_states_product gathers it) and the bias gradients, sums of d_gates' rows.
+// Each step, once the team has met (every row of the step's d_gates written), the threads take
+// - d_x's rows of the step: d_gates @ w_ih on the tiles of d_h's product, w_ih packed in blocks of kTile
+//   columns of D as w_hh is (pack_column_blocks, K = G H), each thread a share of the step's rows (d_x feeds
+//   nothing in the loop: no thread waits for another's rows; with D = 32 the blocks alone were too few);
+// - the weight gradients: rows [g0, g1) of d_w_ih and d_w_hh (each thread its share of the G H rows) add the
+//   step's outer products, d_gates[r, g] x[r] and d_gates[r, g] h_prev[r] for every row r in order, on
+//   register tiles of up to kOuterAccumulators vectors loaded from and stored back to the gradient
+//   (accumulate_rows); the bias gradients add the step's d_gates rows on the same rows g.
+// The step's d_gates rows are then still in cache, where the four operations read all of d_gates back from
+// memory, at OpenBLAS's rate for these shapes (265-290 GFLOP/s at N = 12,800, G H = 512, D = H = 128, against
+// 400 for a large square product on the same 2-core AVX-512 Xeon).  Every gradient element adds its products
+// in the same order (the steps in the loop's order, each step's rows in order), whichever thread takes it:
+// the same bits for every team.  The GRU's w_hh and b_hh take its hidden side's gradients, w_ih and the bias
+// its input side's.
+// Only where the gradients are small (fuses_input_gradients): they are read and written back at every step.
+
+#if defined(__AVX512F__)
+constexpr int kOuterAccumulators = 24;  // of 32 registers: 4 loads and 6 broadcasts per 24 FMAs
+#else
+constexpr int kOuterAccumulators = 12;  // of 16
+#endif
+constexpr int kOuterVectors = 4, kOuterRows = kOuterAccumulators / kOuterVectors;  // a wide tile's
+constexpr int kOuterColumns = kOuterVectors * simd::kLanes;
+
+// Where a packed backward takes its input side's gradients (kInputSide); outputs zeroed before the loop.
+struct InputGradients {
+  const float* x;          // (N, D)
+  const float* w_ih;       // (G H, D)
+  int depth;               // D
+  const mx::array* h0;     // (B, H) and output (N, H): the states the steps started from
+  const mx::array* output;
+  const mx::array* d_input_side;   // (N, G H): d_x, d_w_ih and the bias's gradient from it
+  const mx::array* d_hidden_side;  // (N, G H): d_w_hh (and the GRU's b_hh) from it; the LSTM's is d_input_side
+  float* d_x;                      // (N, D)
+  float* d_w_ih;                   // (G H, D)
+  float* d_w_hh;                   // (G H, H)
+  float* d_bias;                   // (G H,): the input side's bias (b_ih, or the LSTM's folded bias)
+  float* d_b_hh;                   // (G H,): the GRU's b_hh; nullptr for the LSTM
+};
+
+// w[ROWS rows of stride ldw, `columns` (<= VECTORS kLanes) columns from `column`] += the sum over k < count of
+// d[k][0 .. ROWS) (rows of stride ldd) times source(k)[column ..]: each element adds its products in the order
+// of k, one FMA each.  FULL: all VECTORS kLanes columns (no masks).
+template <int ROWS, int VECTORS, bool FULL>
+inline void accumulate_tile(int count, const float* d, int ldd, const float* const* sources, int column, int columns,
+                            float* w, int ldw) {
+  int lanes[VECTORS];
+  for (int v = 0; v < VECTORS; ++v) {
+    lanes[v] = FULL ? simd::kLanes : std::clamp(columns - v * simd::kLanes, 0, simd::kLanes);
+  }
+  Vec acc[ROWS][VECTORS];
+  for (int i = 0; i < ROWS; ++i) {
+    for (int v = 0; v < VECTORS; ++v) acc[i][v] = simd::load(w + i * ldw + column + v * simd::kLanes, lanes[v]);
+  }
+  for (int k = 0; k < count; ++k) {
+    const float* source = sources[k] + column;
+    Vec values[VECTORS];
+    for (int v = 0; v < VECTORS; ++v) values[v] = simd::load(source + v * simd::kLanes, lanes[v]);
+    const float* d_row = d + static_cast<size_t>(k) * ldd;
+    for (int i = 0; i < ROWS; ++i) {
+      const Vec scale = simd::broadcast(d_row[i]);
+      for (int v = 0; v < VECTORS; ++v) acc[i][v] = simd::fma(scale, values[v], acc[i][v]);
+    }
+  }
+  for (int i = 0; i < ROWS; ++i) {
+    for (int v = 0; v < VECTORS; ++v) simd::store(w + i * ldw + column + v * simd::kLanes, acc[i][v], lanes[v]);
+  }
+}
+
+// accumulate_tile for rows (1 .. ROWS) rows.
+template <int VECTORS, int ROWS = kOuterAccumulators / VECTORS>
+inline void accumulate_tile_of_rows(int rows, int count, const float* d, int ldd, const float* const* sources,
+                                    int column, int columns, float* w, int ldw) {
+  if constexpr (ROWS > 1) {
+    if (rows < ROWS) {
+      return accumulate_tile_of_rows<VECTORS, ROWS - 1>(rows, count, d, ldd, sources, column, columns, w, ldw);
+    }
+  }
+  if (columns == VECTORS * simd::kLanes) {
+    return accumulate_tile<ROWS, VECTORS, true>(count, d, ldd, sources, column, columns, w, ldw);
+  }
+  accumulate_tile<ROWS, VECTORS, false>(count, d, ldd, sources, column, columns, w, ldw);
+}
+
+// Rows [first, end) of w (G H, width) += d^T[those rows] @ the sources: d the step's rows of a gradient of the
+// gates (count rows of stride ldd), sources[k] the row that d's row k multiplied (width floats).  Column
+// blocks outermost, so that a block of the sources stays in L1 while every tile of rows reads it; a block of
+// up to two vectors (D = 32 with AVX-512) takes tiles of twice the rows.
+template <int VECTORS>
+inline void accumulate_block(int first, int end, int count, const float* d, int ldd, const float* const* sources,
+                             int column, int columns, int width, float* w) {
+  constexpr int rows = kOuterAccumulators / VECTORS;
+  for (int g = first; g < end; g += rows) {
+    accumulate_tile_of_rows<VECTORS>(std::min(rows, end - g), count, d + g, ldd, sources, column, columns,
+                                     w + static_cast<size_t>(g) * width, width);
+  }
+}
+inline void accumulate_rows(int first, int end, int count, const float* d, int ldd, const float* const* sources,
+                            int width, float* w) {
+  for (int column = 0; column < width; column += kOuterColumns) {
+    const int columns = std::min(kOuterColumns, width - column);
+    if (columns > kOuterColumns / 2) {
+      accumulate_block<kOuterVectors>(first, end, count, d, ldd, sources, column, columns, width, w);
+    } else {
+      accumulate_block<kOuterVectors / 2>(first, end, count, d, ldd, sources, column, columns, width, w);
+    }
+  }
+}
+
+// bias[first, end) += the sum of d's count rows (stride ldd) there, row by row.
+inline void accumulate_sums(int first, int end, int count, const float* d, int ldd, float* bias) {
+  for (int g = first; g < end; g += simd::kLanes) {
+    const int lanes = std::min(simd::kLanes, end - g);
+    Vec sum = simd::load(bias + g, lanes);
+    for (int k = 0; k < count; ++k) sum = sum + simd::load(d + static_cast<size_t>(k) * ldd + g, lanes);
+    simd::store(bias + g, sum, lanes);
+  }
+}
+
+// One step's weight and bias gradients for rows [first, end) of the gates (see above): the step's rows of x and
+// of the states they started from as the sources.
+void accumulate_step_gradients(const Loop& loop, const Step& step, const InputGradients& in, int first, int end,
+                               std::vector<const float*>& sources) {
+  if (first >= end) return;
+  const int hidden = in.h0->shape(1), gates = in.d_input_side->shape(1);
+  const float* d_input = row_of(*in.d_input_side, step.first);
+  const float* d_hidden = row_of(*in.d_hidden_side, step.first);
+  for (int r = 0; r < step.rows; ++r) sources[r] = in.x + (static_cast<size_t>(step.first) + r) * in.depth;
+  accumulate_rows(first, end, step.rows, d_input, gates, sources.data(), in.depth, in.d_w_ih);
+  const Step* earlier = earlier_step(loop, step);
+  for (int r = 0; r < step.rows; ++r) {
+    sources[r] = continues(earlier, r) ? row_of(*in.output, earlier->first + r) : row_of(*in.h0, r);
+  }
+  accumulate_rows(first, end, step.rows, d_hidden, gates, sources.data(), hidden, in.d_w_hh);
+  accumulate_sums(first, end, step.rows, d_input, gates, in.d_bias);
+  if (in.d_b_hh != nullptr) accumulate_sums(first, end, step.rows, d_hidden, gates, in.d_b_hh);
+}
+
 // The backward's time loop on packed weights: per step (in reverse) each thread of the team runs
 // gate_backward(step, first, end, first row, end row) for its units and rows, which writes the step's
 // rows of d_gates (rows, K) for them; the team meets; then each thread computes its blocks of kTile
@@ -1015,19 +1161,30 @@ void gru_forward_packed(std::vector<mx::array>& ins, std::vector<mx::array>& out
 // shared among threads (row_parts) where the blocks are too few for them.
 template <class GateBackward>
 void packed_backward_steps(const Loop& loop, int batch, int hidden, const float* w_hh, const mx::array& d_gates,
-                           float* d_h, bool accumulate, GateBackward gate_backward) {
+                           float* d_h, bool accumulate, GateBackward gate_backward,
+                           const InputGradients* input = nullptr) {
   const int depth = d_gates.shape(1), blocks = (hidden + kTile - 1) / kTile;
   const int groups = std::min(team_size(batch, hidden, (hidden + kUnits - 1) / kUnits), blocks);
-  const int parts = row_parts(batch, hidden, groups);
+  const int parts = row_parts(batch, hidden, groups), threads = groups * parts;
   AlignedFloats packed(static_cast<size_t>(blocks) * depth * kTile);
-  run_team(groups * parts, [&](int thread, int, StepBarrier& barrier) {
-    const int part = thread % parts;
-    const auto [first_block, end_block] = share_of(0, blocks, thread / parts, groups);
+  const int input_width = input != nullptr ? input->depth : 0, input_blocks = (input_width + kTile - 1) / kTile;
+  AlignedFloats packed_ih(static_cast<size_t>(input_blocks) * depth * kTile);  // w_ih (G H, D) for d_x
+  const int gate_tiles = (depth + kOuterRows - 1) / kOuterRows;  // of the weight gradients' rows
+  run_team(threads, [&](int thread, int, StepBarrier& barrier) {
+    const int part = thread % parts, group = thread / parts;
+    const auto [first_block, end_block] = share_of(0, blocks, group, groups);
     const auto [first_row, end_row] = share_of(0, batch, part, parts);
     const int first = first_block * kTile, end = std::min(hidden, end_block * kTile);
     const auto [pack_from, pack_end] = share_of(first_block, end_block, part, parts);
     pack_column_blocks(w_hh, depth, hidden, pack_from, pack_end, packed.data());
-    if (parts > 1) barrier.wait(thread);  // each thread reads blocks that others of its group packed
+    if (input != nullptr) {  // d_x's blocks, each thread a share; every thread multiplies by all of them
+      const auto [from, to] = share_of(0, input_blocks, thread, threads);
+      pack_column_blocks(input->w_ih, depth, input_width, from, to, packed_ih.data());
+    }
+    const auto [first_tile, end_tile] = share_of(0, gate_tiles, thread, threads);
+    const int first_gate = first_tile * kOuterRows, end_gate = std::min(depth, end_tile * kOuterRows);
+    std::vector<const float*> sources(input != nullptr ? batch : 0);  // rows of x or of the states, for a step
+    if (parts > 1 || (input != nullptr && threads > 1)) barrier.wait(thread);  // blocks others packed are read
     AlignedFloats products(static_cast<size_t>(batch) * kTile);  // a block's products for every row of a step
     for (auto step = loop.steps.rbegin(); step != loop.steps.rend(); ++step) {
       gate_backward(*step, first, end, first_row, end_row);
@@ -1047,8 +1204,36 @@ void packed_backward_steps(const Loop& loop, int batch, int hidden, const float*
                        }
                      });
       }
+      if (input == nullptr) continue;
+      // d_x's rows of the step, d_input_side @ w_ih: each thread a share of them
+      const auto [first_x_row, end_x_row] = share_of(0, step->rows, thread, threads);
+      for (int b = 0; b < input_blocks; ++b) {
+        const float* block = packed_ih.data() + static_cast<size_t>(b) * depth * kTile;
+        const int column = b * kTile, columns = std::min(kTile, input_width - column);
+        rows_product(end_x_row - first_x_row, row_of(*input->d_input_side, step->first + first_x_row), depth, depth,
+                     block, products.data(), [&](int first, int count) {
+                       barrier.progress(thread);
+                       for (int i = first; i < first + count; ++i) {
+                         copy_rows(input->d_x + (static_cast<size_t>(step->first) + first_x_row + i) * input_width +
+                                   column, products.data() + static_cast<size_t>(i) * kTile, 1, columns);
+                       }
+                     });
+      }
+      accumulate_step_gradients(loop, *step, *input, first_gate, end_gate, sources);
+      barrier.progress(thread);
     }
   });
+}
+
+// A backward's InputGradients (kInputSide): x and w_ih at ins[at], ins[at + 1]; the outputs from outs[3] on (d_x,
+// d_w_ih, d_w_hh, d_bias, then the GRU's d_b_hh), the accumulated ones zeroed.
+InputGradients input_gradients(const std::vector<mx::array>& ins, std::vector<mx::array>& outs, size_t at,
+                               const mx::array& h0, const mx::array& output, const mx::array& d_input_side,
+                               const mx::array& d_hidden_side) {
+  for (size_t k = 4; k < outs.size(); ++k) std::fill_n(outs[k].data<float>(), outs[k].size(), 0.0f);
+  return InputGradients{ins[at].data<float>(), ins[at + 1].data<float>(), static_cast<int>(ins[at].shape(1)), &h0,
+                        &output, &d_input_side, &d_hidden_side, outs[3].data<float>(), outs[4].data<float>(),
+                        outs[5].data<float>(), outs[6].data<float>(), outs.size() > 7 ? outs[7].data<float>() : nullptr};
 }
 
 void lstm_backward_packed(std::vector<mx::array>& ins, std::vector<mx::array>& outs, const Loop& loop) {
@@ -1057,22 +1242,26 @@ void lstm_backward_packed(std::vector<mx::array>& ins, std::vector<mx::array>& o
   float* d_c = outs[2].data<float>();
   copy_rows(d_h, ins[4].data<float>(), batch, hidden);
   copy_rows(d_c, ins[5].data<float>(), batch, hidden);
+  std::optional<InputGradients> input;
+  if (loop.option & kInputSide) input = input_gradients(ins, outs, 6, ins[9], ins[8], outs[0], outs[0]);
   packed_backward_steps(loop, batch, hidden, ins[0].data<float>(), outs[0], d_h,
                         false, [&](const Step& step, int first, int end, int first_row, int end_row) {
                           lstm_gate_backward(ins, outs, step, earlier_step(loop, step), d_h, d_c, first, end,
                                              first_row, end_row);
-                        });
+                        }, input ? &*input : nullptr);
 }
 
 void gru_backward_packed(std::vector<mx::array>& ins, std::vector<mx::array>& outs, const Loop& loop) {
   const int batch = ins[5].shape(0), hidden = ins[5].shape(1);
   float* d_h = outs[2].data<float>();
   copy_rows(d_h, ins[5].data<float>(), batch, hidden);
+  std::optional<InputGradients> input;
+  if (loop.option & kInputSide) input = input_gradients(ins, outs, 6, ins[3], ins[2], outs[0], outs[1]);
   packed_backward_steps(loop, batch, hidden, ins[0].data<float>(), outs[1], d_h,
                         true, [&](const Step& step, int first, int end, int first_row, int end_row) {
                           gru_gate_backward(ins, outs, step, earlier_step(loop, step), d_h, first, end, first_row,
                                             end_row);
-                        });
+                        }, input ? &*input : nullptr);
 }
 
 // Whether a loop, forward or backward, runs on packed weights: enough steps to repay the packing.  The
@@ -1124,6 +1313,21 @@ bool computes_input_side(const Loop& loop, int batch, int depth) {
 #endif
 }
 
+// Whether an input-side forward's backward takes its input side's gradients in its loop (InputGradients): where
+// its weight gradients, G H (D + H) floats, which every step reads and writes back, take at most 512 KB.  One
+// layer's forward+backward (all gradients, x's too), against the vjp's four MLX operations after the loop,
+// interleaved in one process (2-core AVX-512 Xeon; gradient bytes in brackets): LSTM (T, B, D, H) = (200, 64,
+// 128, 128) [512 KB] 0.95-0.97, (32, 64, 128, 128) [512 KB] 0.92-0.94, (32, 64, 32, 128) [320 KB] 0.96; GRU
+// (200, 64, 128, 128) [384 KB] 0.92-0.95, (32, 64, 128, 128) 0.94-0.98, (32, 64, 32, 128) 0.91.  Past it the
+// gradients and the packed weights outgrow a core's L2 (2 MB here) and the gain goes: GRU (100, 64, 64, 256)
+// [983 KB] 0.93, (32, 64, 32, 256) [884 KB] 0.99; LSTM (100, 64, 64, 256) [1.3 MB] 1.00, (32, 64, 32, 256)
+// [1.2 MB] 1.05, (100, 128, 256, 256) [2 MB] 1.01-1.02.  The in-loop products run at about 170 GFLOP/s a core
+// where the operations reach 135 (265-290 GFLOP/s on two cores): the ceiling of this gain.
+constexpr int64_t kFusedGradientBytes = 512 << 10;
+bool fuses_input_gradients(int gates, int hidden, int depth) {
+  return int64_t{4} * gates * hidden * (int64_t{hidden} + depth) <= kFusedGradientBytes;
+}
+
 // ----------------------------------------------------------------- LSTM
 
 // ins: x_gates (N, 4H), w_hh (4H, H), h0, c0 (B, H) [, bias (4H,) added to every row of x_gates]
@@ -1163,7 +1367,7 @@ void lstm_forward(std::vector<mx::array>& ins, std::vector<mx::array>& outs, con
 // outs: d_x_gates (N, 4H), d_h0, d_c0 (B, H)
 void lstm_backward(std::vector<mx::array>& ins, std::vector<mx::array>& outs, const Loop& loop) {
 #if defined(__AVX2__) && defined(__FMA__)
-  if (runs_packed(loop)) return lstm_backward_packed(ins, outs, loop);
+  if ((loop.option & kInputSide) || runs_packed(loop)) return lstm_backward_packed(ins, outs, loop);
 #endif
   const int batch = ins[4].shape(0), hidden = ins[4].shape(1), gates = 4 * hidden;
   float* d_h = outs[1].data<float>();  // the gradients flow back in place in d_h0 and d_c0
@@ -1216,7 +1420,7 @@ void gru_forward(std::vector<mx::array>& ins, std::vector<mx::array>& outs, cons
 // outs: d_input_side (N, 3H) (= d_x_gates), d_hidden_side (N, 3H), d_h0 (B, H)
 void gru_backward(std::vector<mx::array>& ins, std::vector<mx::array>& outs, const Loop& loop) {
 #if defined(__AVX2__) && defined(__FMA__)
-  if (runs_packed(loop)) return gru_backward_packed(ins, outs, loop);
+  if ((loop.option & kInputSide) || runs_packed(loop)) return gru_backward_packed(ins, outs, loop);
 #endif
   const int batch = ins[5].shape(0), hidden = ins[5].shape(1), gates = 3 * hidden;
   float* d_h = outs[2].data<float>();
@@ -1416,6 +1620,17 @@ std::vector<mx::array> lstm_vjp(const Loop& loop, const std::vector<mx::array>& 
   const bool input_side = loop.option & kInputSide;
   require_saved(loop, input_side ? "lstm_input_sequence" : "lstm_sequence");
   const int n = primals[0].shape(0), b = primals[2].shape(0), h = primals[2].shape(1);
+  if (input_side && fuses_input_gradients(4, h, primals[0].shape(1))) {
+    const int d_ = primals[0].shape(1);
+    auto d = run_loop("LSTMSequenceBackward", lstm_backward,
+                      {{n, 4 * h}, {b, h}, {b, h}, {n, d_}, {4 * h, d_}, {4 * h, h}, {4 * h}},
+                      {&primals[1], &outputs[3], &primals[3], &cotangents[0], &cotangents[1], &cotangents[2],
+                       &primals[0], &primals[4], &outputs[0], &primals[2]},
+                      Loop{loop.steps, kInputSide});
+    std::vector<mx::array> by_input = {d[3], d[5], d[1], d[2], d[4]};  // x, w_hh, h0, c0, w_ih
+    if (primals.size() > 5) by_input.push_back(d[6]);
+    return pick(argnums, by_input);
+  }
   auto d = run_loop("LSTMSequenceBackward", lstm_backward, {{n, 4 * h}, {b, h}, {b, h}},
                     {&primals[1], &outputs[3], &primals[3], &cotangents[0], &cotangents[1], &cotangents[2]},
                     Loop{loop.steps, 0});
@@ -1436,6 +1651,17 @@ std::vector<mx::array> gru_vjp(const Loop& loop, const std::vector<mx::array>& p
   require_saved(loop, input_side ? "gru_input_sequence" : "gru_sequence");
   const auto s = seqlib_cpu::cpu_stream();
   const int n = primals[0].shape(0), b = primals[3].shape(0), h = primals[3].shape(1);
+  if (input_side && fuses_input_gradients(3, h, primals[0].shape(1))) {
+    const int d_ = primals[0].shape(1);
+    auto d = run_loop("GRUSequenceBackward", gru_backward,
+                      {{n, 3 * h}, {n, 3 * h}, {b, h}, {n, d_}, {3 * h, d_}, {3 * h, h}, {3 * h}, {3 * h}},
+                      {&primals[1], &outputs[2], &outputs[0], &primals[3], &cotangents[0], &cotangents[1],
+                       &primals[0], &primals[4]},
+                      Loop{loop.steps, kInputSide});
+    std::vector<mx::array> by_input = {d[3], d[5], d[7], d[2], d[4]};  // x, w_hh, b_hh, h0, w_ih
+    if (primals.size() > 5) by_input.push_back(d[6]);
+    return pick(argnums, by_input);
+  }
   auto d = run_loop("GRUSequenceBackward", gru_backward, {{n, 3 * h}, {n, 3 * h}, {b, h}},
                     {&primals[1], &outputs[2], &outputs[0], &primals[3], &cotangents[0], &cotangents[1]},
                     Loop{loop.steps, 0});
