@@ -20,7 +20,9 @@ one) all end here.  The structure is the one fast implementations share
    be sequential (the pointwise derivatives and ``d_gates @ W_hh``), and then
    computes the weight gradients for all steps at once as **one matmul**
    ``d_gates.T @ h_prev``.  Autodiff through the loop would build the weight
-   gradient from T small products and is several times slower.
+   gradient from T small products and is several times slower.  (Seqlib's C++
+   loop after an input-side forward is the exception: where the weight gradients
+   are small, it adds each step's share while the step's ``d_gates`` are in cache.)
 
 Only a call that a transformation traces (``mx.grad``, ``mx.vjp``, ``mx.compile``: see
 :func:`seqlib.pointwise.is_traced`) needs the backward.  Any other call is inference: it

@@ -645,7 +645,8 @@ def test_the_backward_takes_the_input_sides_gradients_only_where_they_are_small(
                                                                                 tmp_path):  # fmt: skip
     """Where the forward computed its input side, the backward's loop takes d_x, d_w_ih, d_w_hh and the biases'
     gradients itself while those fit 512 KB (G H (D + H) floats: no matmul in their graph, nor a sum), else the
-    vjp's matmuls after the loop; both agree with the layer given its input product."""
+    vjp's matmuls after the loop; both agree with the layer given its input product, with x's gradient asked for
+    or not (x is data: the loop skips d_x)."""
     gates, _, given_input_of, given_product_of = INPUT_KINDS[kind]
     batch, input_size, steps = 8, 32, 6  # D <= 4 B: the forward computes its input side on AVX2 and AVX-512
     batch_sizes = [batch] * (steps - 1) + [batch - 3]
@@ -658,6 +659,7 @@ def test_the_backward_takes_the_input_sides_gradients_only_where_they_are_small(
     def loss(function):
         return lambda *arguments: (function(batch_sizes, False)(*arguments)[0] * cotangent).sum()
 
+    assert "Matmul" not in graph_of(given_input_of(batch_sizes, False)(*arguments)[0], tmp_path)  # the input side
     argnums = tuple(range(len(arguments)))
     grads = mx.grad(loss(given_input_of), argnums)(*arguments)
     graph = graph_of(grads[1], tmp_path)  # d_w_ih, read before it is evaluated
@@ -666,6 +668,10 @@ def test_the_backward_takes_the_input_sides_gradients_only_where_they_are_small(
     assert ("Sum" not in graph_of(grads[-1], tmp_path)) == in_the_loop  # the bias's gradient
     want = mx.grad(loss(given_product_of), argnums)(*arguments)
     for name, mine, theirs in zip(["d_x", "d_w_ih", "d_w_hh", "d_state0", "d_state1", "d_bias"], grads, want,
+                                  strict=True):  # fmt: skip
+        assert_close_at_scale(mine, theirs, TOLERANCE, name)
+    weights_only = mx.grad(loss(given_input_of), argnums[1:])(*arguments)
+    for name, mine, theirs in zip(["d_w_ih", "d_w_hh", "d_state0", "d_state1", "d_bias"], weights_only, want[1:],
                                   strict=True):  # fmt: skip
         assert_close_at_scale(mine, theirs, TOLERANCE, name)
 

@@ -20,7 +20,9 @@
 //   ...SequenceBackward                      backward through the steps in reverse: the gradients
 //                                            of x_gates, of the initial state(s), and for the GRU
 //                                            of its hidden side (for db_hh, and dW_hh with the states
-//                                            each step started from: previous_states_product)
+//                                            each step started from: previous_states_product); after an
+//                                            input-side forward, where they are small, also d_x and the
+//                                            weights' and biases' gradients (InputGradients)
 //   SwapLeadingAxes                          a batch-first input copied time-major, on several threads
 //
 // All are cpu_loop.h's one primitive class, CpuLoop, running one of the loops below.
@@ -127,7 +129,9 @@ std::vector<Step> steps_of(const std::vector<int>& batch_sizes, bool reverse) {
 }
 
 // Bits of a loop's option.  kInputSide: an LSTM's or a GRU's forward has its input x (N, D) as ins[0] and w_ih
-// (G H, D) as ins[4], not x_gates: the loop computes each step's input side itself (see computes_input_side).
+// (G H, D) as ins[4], not x_gates: the loop computes each step's input side itself (see computes_input_side);
+// its backward takes x and w_ih after its usual ins and gives the input side's gradients after its usual outs
+// (InputGradients, input_gradients).
 constexpr int kSave = 1, kRelu = 2, kInputSide = 4;
 
 // What a primitive's loop needs besides its arrays: the steps in computing order, its option bits.
@@ -1030,11 +1034,11 @@ void gru_forward_packed(std::vector<mx::array>& ins, std::vector<mx::array>& out
 // Only where the gradients are small (fuses_input_gradients): they are read and written back at every step.
 
 #if defined(__AVX512F__)
-constexpr int kOuterAccumulators = 24;  // of 32 registers: 4 loads and 6 broadcasts per 24 FMAs
+constexpr int kOuterAccumulators = 24, kOuterVectors = 4;  // of 32 registers: 4 loads, 6 broadcasts, 24 FMAs
 #else
-constexpr int kOuterAccumulators = 12;  // of 16
+constexpr int kOuterAccumulators = 12, kOuterVectors = 2;  // of 16: 12 + 2 loads + 1 broadcast
 #endif
-constexpr int kOuterVectors = 4, kOuterRows = kOuterAccumulators / kOuterVectors;  // a wide tile's
+constexpr int kOuterRows = kOuterAccumulators / kOuterVectors;  // a wide tile's
 constexpr int kOuterColumns = kOuterVectors * simd::kLanes;
 
 // Where a packed backward takes its input side's gradients (kInputSide); outputs zeroed before the loop.
@@ -1046,7 +1050,7 @@ struct InputGradients {
   const mx::array* output;
   const mx::array* d_input_side;   // (N, G H): d_x, d_w_ih and the bias's gradient from it
   const mx::array* d_hidden_side;  // (N, G H): d_w_hh (and the GRU's b_hh) from it; the LSTM's is d_input_side
-  float* d_x;                      // (N, D)
+  float* d_x;                      // (N, D); nullptr where x's gradient is not asked for
   float* d_w_ih;                   // (G H, D)
   float* d_w_hh;                   // (G H, H)
   float* d_bias;                   // (G H,): the input side's bias (b_ih, or the LSTM's folded bias)
@@ -1158,7 +1162,9 @@ void accumulate_step_gradients(const Loop& loop, const Step& step, const InputGr
 // accumulate, adds) them into d_h's rows.  The next step's gate_backward reads the same thread's columns
 // and rows of d_h (a thread keeps the same rows, the same sequences, at every step), and writes other
 // rows of d_gates than the product still reads: one meeting per step.  As in the forward, rows are
-// shared among threads (row_parts) where the blocks are too few for them.
+// shared among threads (row_parts) where the blocks are too few for them.  With input (an input-side
+// forward's backward), each thread then takes its share of the step's d_x rows and of the weight and bias
+// gradients' rows (see "the input side's gradients inside the backward" above).
 template <class GateBackward>
 void packed_backward_steps(const Loop& loop, int batch, int hidden, const float* w_hh, const mx::array& d_gates,
                            float* d_h, bool accumulate, GateBackward gate_backward,
@@ -1184,7 +1190,7 @@ void packed_backward_steps(const Loop& loop, int batch, int hidden, const float*
     const auto [first_tile, end_tile] = share_of(0, gate_tiles, thread, threads);
     const int first_gate = first_tile * kOuterRows, end_gate = std::min(depth, end_tile * kOuterRows);
     std::vector<const float*> sources(input != nullptr ? batch : 0);  // rows of x or of the states, for a step
-    if (parts > 1 || (input != nullptr && threads > 1)) barrier.wait(thread);  // blocks others packed are read
+    if (parts > 1) barrier.wait(thread);  // each thread reads blocks that others of its group packed
     AlignedFloats products(static_cast<size_t>(batch) * kTile);  // a block's products for every row of a step
     for (auto step = loop.steps.rbegin(); step != loop.steps.rend(); ++step) {
       gate_backward(*step, first, end, first_row, end_row);
@@ -1206,8 +1212,9 @@ void packed_backward_steps(const Loop& loop, int batch, int hidden, const float*
       }
       if (input == nullptr) continue;
       // d_x's rows of the step, d_input_side @ w_ih: each thread a share of them
-      const auto [first_x_row, end_x_row] = share_of(0, step->rows, thread, threads);
-      for (int b = 0; b < input_blocks; ++b) {
+      const std::pair<int, int> x_rows = share_of(0, step->rows, thread, threads);  // not a structured binding:
+      const int first_x_row = x_rows.first, end_x_row = x_rows.second;             // the epilogue captures them
+      for (int b = 0; b < input_blocks && input->d_x != nullptr; ++b) {
         const float* block = packed_ih.data() + static_cast<size_t>(b) * depth * kTile;
         const int column = b * kTile, columns = std::min(kTile, input_width - column);
         rows_product(end_x_row - first_x_row, row_of(*input->d_input_side, step->first + first_x_row), depth, depth,
@@ -1226,13 +1233,14 @@ void packed_backward_steps(const Loop& loop, int batch, int hidden, const float*
 }
 
 // A backward's InputGradients (kInputSide): x and w_ih at ins[at], ins[at + 1]; the outputs from outs[3] on (d_x,
-// d_w_ih, d_w_hh, d_bias, then the GRU's d_b_hh), the accumulated ones zeroed.
+// empty where not asked for; d_w_ih, d_w_hh, d_bias, then the GRU's d_b_hh), the accumulated ones zeroed.
 InputGradients input_gradients(const std::vector<mx::array>& ins, std::vector<mx::array>& outs, size_t at,
                                const mx::array& h0, const mx::array& output, const mx::array& d_input_side,
                                const mx::array& d_hidden_side) {
   for (size_t k = 4; k < outs.size(); ++k) std::fill_n(outs[k].data<float>(), outs[k].size(), 0.0f);
   return InputGradients{ins[at].data<float>(), ins[at + 1].data<float>(), static_cast<int>(ins[at].shape(1)), &h0,
-                        &output, &d_input_side, &d_hidden_side, outs[3].data<float>(), outs[4].data<float>(),
+                        &output, &d_input_side, &d_hidden_side,
+                        outs[3].size() > 0 ? outs[3].data<float>() : nullptr, outs[4].data<float>(),
                         outs[5].data<float>(), outs[6].data<float>(), outs.size() > 7 ? outs[7].data<float>() : nullptr};
 }
 
@@ -1316,9 +1324,11 @@ bool computes_input_side(const Loop& loop, int batch, int depth) {
 // Whether an input-side forward's backward takes its input side's gradients in its loop (InputGradients): where
 // its weight gradients, G H (D + H) floats, which every step reads and writes back, take at most 512 KB.  One
 // layer's forward+backward (all gradients, x's too), against the vjp's four MLX operations after the loop,
-// interleaved in one process (2-core AVX-512 Xeon; gradient bytes in brackets): LSTM (T, B, D, H) = (200, 64,
-// 128, 128) [512 KB] 0.95-0.97, (32, 64, 128, 128) [512 KB] 0.92-0.94, (32, 64, 32, 128) [320 KB] 0.96; GRU
-// (200, 64, 128, 128) [384 KB] 0.92-0.95, (32, 64, 128, 128) 0.94-0.98, (32, 64, 32, 128) 0.91.  Past it the
+// interleaved in one process, two runs (2-core AVX-512 Xeon; gradient bytes in brackets): LSTM (T, B, D, H) =
+// (200, 64, 128, 128) [512 KB] 0.95, 0.95, (32, 64, 128, 128) [512 KB] 1.04, 0.94, (32, 64, 32, 128) [320 KB]
+// 0.96; GRU (200, 64, 128, 128) [384 KB] 0.95, 0.94, (32, 64, 128, 128) 0.98, 0.94, (32, 64, 32, 128) 0.91.
+// A first version that shared d_x's blocks (not its rows) among the threads lost at D = 32 (1.12 / 1.09: one
+// block of 64 columns, one thread took all of d_x while the other waited at the next meeting).  Past 512 KB the
 // gradients and the packed weights outgrow a core's L2 (2 MB here) and the gain goes: GRU (100, 64, 64, 256)
 // [983 KB] 0.93, (32, 64, 32, 256) [884 KB] 0.99; LSTM (100, 64, 64, 256) [1.3 MB] 1.00, (32, 64, 32, 256)
 // [1.2 MB] 1.05, (100, 128, 256, 256) [2 MB] 1.01-1.02.  The in-loop products run at about 170 GFLOP/s a core
@@ -1365,6 +1375,8 @@ void lstm_forward(std::vector<mx::array>& ins, std::vector<mx::array>& outs, con
 
 // ins: w_hh (4H, H), saved (N, SavedBlocks(H, kLstmSlots).row_floats()), c0 (B, H), d_output (N, H), d_h_n, d_c_n (B, H)
 // outs: d_x_gates (N, 4H), d_h0, d_c0 (B, H)
+//   with kInputSide also ins x (N, D), w_ih (4H, D), output (N, H), h0 (B, H) and outs d_x (N, D, or 0 rows),
+//   d_w_ih (4H, D), d_w_hh (4H, H), d_bias (4H,)
 void lstm_backward(std::vector<mx::array>& ins, std::vector<mx::array>& outs, const Loop& loop) {
 #if defined(__AVX2__) && defined(__FMA__)
   if ((loop.option & kInputSide) || runs_packed(loop)) return lstm_backward_packed(ins, outs, loop);
@@ -1418,6 +1430,8 @@ void gru_forward(std::vector<mx::array>& ins, std::vector<mx::array>& outs, cons
 // ins: w_hh (3H, H), saved (N, SavedBlocks(H, kGruSlots).row_floats()), output (N, H), h0 (B, H),
 //   d_output (N, H), d_h_n (B, H)
 // outs: d_input_side (N, 3H) (= d_x_gates), d_hidden_side (N, 3H), d_h0 (B, H)
+//   with kInputSide also ins x (N, D), w_ih (3H, D) and outs d_x (N, D, or 0 rows), d_w_ih (3H, D), d_w_hh (3H, H),
+//   d_bias (3H,), d_b_hh (3H,)
 void gru_backward(std::vector<mx::array>& ins, std::vector<mx::array>& outs, const Loop& loop) {
 #if defined(__AVX2__) && defined(__FMA__)
   if ((loop.option & kInputSide) || runs_packed(loop)) return gru_backward_packed(ins, outs, loop);
@@ -1542,7 +1556,8 @@ std::vector<mx::array> sequence(const char* name, seqlib_cpu::CpuLoop<Loop>::Run
 //
 // Each forward that saved its activations (save) differentiates itself: the backward loop over the
 // same steps, then every step's weight gradient in one product with the states the steps started from
-// (previous_states_product), as MLX operations.
+// (previous_states_product), as MLX operations; after an input-side forward whose gradients are small
+// (fuses_input_gradients), the backward loop takes them itself.
 // The cotangents of the saved arrays are ignored (they are seqlib's own, never read downstream).
 
 void require_saved(const Loop& loop, const char* op) {
@@ -1612,6 +1627,16 @@ void through_input_side(std::vector<mx::array>& by_input, const mx::array& d_x_g
   by_input.push_back(mx::matmul(mx::transpose(d_x_gates, s), primals[0], s));
 }
 
+// Whether an input-side vjp asks for a weight's gradient (w_hh's or w_ih's: argnums 1, 4): the fused backward
+// computes them all, so it runs only then (frozen weights keep the operations, which MLX skips unasked); and the
+// rows of d_x it computes: all N where x's gradient is asked for (argnum 0), none where not (x is data).
+bool asks_for_weights(const std::vector<int>& argnums) {
+  return std::any_of(argnums.begin(), argnums.end(), [](int k) { return k == 1 || k == 4; });
+}
+int x_rows(const std::vector<int>& argnums, int n) {
+  return std::find(argnums.begin(), argnums.end(), 0) != argnums.end() ? n : 0;
+}
+
 // primals: x_gates, w_hh, h0, c0 [, bias], or with kInputSide x, w_hh, h0, c0, w_ih [, bias];
 // outputs: output, h_n, c_n, saved
 std::vector<mx::array> lstm_vjp(const Loop& loop, const std::vector<mx::array>& primals,
@@ -1620,10 +1645,10 @@ std::vector<mx::array> lstm_vjp(const Loop& loop, const std::vector<mx::array>& 
   const bool input_side = loop.option & kInputSide;
   require_saved(loop, input_side ? "lstm_input_sequence" : "lstm_sequence");
   const int n = primals[0].shape(0), b = primals[2].shape(0), h = primals[2].shape(1);
-  if (input_side && fuses_input_gradients(4, h, primals[0].shape(1))) {
+  if (input_side && fuses_input_gradients(4, h, primals[0].shape(1)) && asks_for_weights(argnums)) {
     const int d_ = primals[0].shape(1);
     auto d = run_loop("LSTMSequenceBackward", lstm_backward,
-                      {{n, 4 * h}, {b, h}, {b, h}, {n, d_}, {4 * h, d_}, {4 * h, h}, {4 * h}},
+                      {{n, 4 * h}, {b, h}, {b, h}, {x_rows(argnums, n), d_}, {4 * h, d_}, {4 * h, h}, {4 * h}},
                       {&primals[1], &outputs[3], &primals[3], &cotangents[0], &cotangents[1], &cotangents[2],
                        &primals[0], &primals[4], &outputs[0], &primals[2]},
                       Loop{loop.steps, kInputSide});
@@ -1651,10 +1676,11 @@ std::vector<mx::array> gru_vjp(const Loop& loop, const std::vector<mx::array>& p
   require_saved(loop, input_side ? "gru_input_sequence" : "gru_sequence");
   const auto s = seqlib_cpu::cpu_stream();
   const int n = primals[0].shape(0), b = primals[3].shape(0), h = primals[3].shape(1);
-  if (input_side && fuses_input_gradients(3, h, primals[0].shape(1))) {
+  if (input_side && fuses_input_gradients(3, h, primals[0].shape(1)) && asks_for_weights(argnums)) {
     const int d_ = primals[0].shape(1);
     auto d = run_loop("GRUSequenceBackward", gru_backward,
-                      {{n, 3 * h}, {n, 3 * h}, {b, h}, {n, d_}, {3 * h, d_}, {3 * h, h}, {3 * h}, {3 * h}},
+                      {{n, 3 * h}, {n, 3 * h}, {b, h}, {x_rows(argnums, n), d_}, {3 * h, d_}, {3 * h, h}, {3 * h},
+                       {3 * h}},
                       {&primals[1], &outputs[2], &outputs[0], &primals[3], &cotangents[0], &cotangents[1],
                        &primals[0], &primals[4]},
                       Loop{loop.steps, kInputSide});
