@@ -1026,8 +1026,8 @@ void gru_forward_packed(std::vector<mx::array>& ins, std::vector<mx::array>& out
 //   register tiles of up to kOuterAccumulators vectors loaded from and stored back to the gradient
 //   (accumulate_rows); the bias gradients add the step's d_gates rows on the same rows g.
 // The step's d_gates rows are then still in cache, where the four operations read all of d_gates back from
-// memory, at OpenBLAS's rate for these shapes (265-290 GFLOP/s at N = 12,800, G H = 512, D = H = 128, against
-// 400 for a large square product on the same 2-core AVX-512 Xeon).  Every gradient element adds its products
+// memory, at OpenBLAS's rate for these shapes (265-290 GFLOP/s at N = 12,800, G H = 512, D = H = 128, on
+// 2-core AVX-512 Xeons that ran a 2048^3 product at 343-400).  Every gradient element adds its products
 // in the same order (the steps in the loop's order, each step's rows in order), whichever thread takes it:
 // the same bits for every team.  The GRU's w_hh and b_hh take its hidden side's gradients, w_ih and the bias
 // its input side's.
