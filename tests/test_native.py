@@ -353,6 +353,45 @@ def test_the_loop_computes_its_input_side_only_where_the_input_is_narrow(kind, i
 
 
 @linux_only
+@pytest.mark.skipif(not cpu_has("avx2"), reason="the packed loops need AVX2 and FMA")
+@pytest.mark.parametrize(("hidden_size", "in_the_loop"), [(32, True), (224, False)])
+@pytest.mark.parametrize("kind", ["lstm", "gru"])
+def test_the_backward_takes_the_input_sides_gradients_only_where_they_are_small(kind, hidden_size, in_the_loop,
+                                                                                tmp_path):  # fmt: skip
+    """Where the forward computed its input side, the backward's loop takes d_x, d_w_ih, d_w_hh and the biases'
+    gradients itself while those fit 512 KB (G H (D + H) floats: no matmul in their graph, nor a sum), else the
+    vjp's matmuls after the loop; both agree with the layer given its input product, with x's gradient asked for
+    or not (x is data: the loop skips d_x)."""
+    gates, _, given_input_of, given_product_of = INPUT_KINDS[kind]
+    batch, input_size, steps = 8, 32, 6  # D <= 4 B: the forward computes its input side on AVX2 and AVX-512
+    batch_sizes = [batch] * (steps - 1) + [batch - 3]
+    rows = sum(batch_sizes)
+    arguments = [random((rows, input_size), 1), random((gates * hidden_size, input_size), 2, 0.2),
+                 random((gates * hidden_size, hidden_size), 3, recurrent_scale(hidden_size)),
+                 *input_kind_states(kind, batch, hidden_size, 4), random((gates * hidden_size,), 6)]  # fmt: skip
+    cotangent = random((rows, hidden_size), 7)
+
+    def loss(function):
+        return lambda *arguments: (function(batch_sizes, False)(*arguments)[0] * cotangent).sum()
+
+    assert "Matmul" not in graph_of(given_input_of(batch_sizes, False)(*arguments)[0], tmp_path)  # the input side
+    argnums = tuple(range(len(arguments)))
+    grads = mx.grad(loss(given_input_of), argnums)(*arguments)
+    graph = graph_of(grads[1], tmp_path)  # d_w_ih, read before it is evaluated
+    assert ("LSTMSequenceBackward" if kind == "lstm" else "GRUSequenceBackward") in graph
+    assert ("Matmul" not in graph) == in_the_loop
+    assert ("Sum" not in graph_of(grads[-1], tmp_path)) == in_the_loop  # the bias's gradient
+    want = mx.grad(loss(given_product_of), argnums)(*arguments)
+    for name, mine, theirs in zip(["d_x", "d_w_ih", "d_w_hh", "d_state0", "d_state1", "d_bias"], grads, want,
+                                  strict=True):  # fmt: skip
+        assert_close_at_scale(mine, theirs, TOLERANCE, name)
+    weights_only = mx.grad(loss(given_input_of), argnums[1:])(*arguments)
+    for name, mine, theirs in zip(["d_w_ih", "d_w_hh", "d_state0", "d_state1", "d_bias"], weights_only, want[1:],
+                                  strict=True):  # fmt: skip
+        assert_close_at_scale(mine, theirs, TOLERANCE, name)
+
+
+@linux_only
 @pytest.mark.parametrize("kind", ["lstm", "gru"])
 def test_a_layer_given_its_input_refuses_arguments_that_do_not_fit(kind):
     gates, _, given_input_of, _ = INPUT_KINDS[kind]
@@ -635,45 +674,6 @@ def test_loops_on_several_streams_at_once_share_the_workers_or_start_their_own()
     result = subprocess.run([sys.executable, "-c", textwrap.dedent(CONCURRENT_LOOPS)], capture_output=True, text=True,
                             timeout=300, env={**os.environ, "OMP_NUM_THREADS": "4"})  # fmt: skip
     assert result.returncode == 0, result.stderr
-
-
-@linux_only
-@pytest.mark.skipif(not cpu_has("avx2"), reason="the packed loops need AVX2 and FMA")
-@pytest.mark.parametrize(("hidden_size", "in_the_loop"), [(32, True), (224, False)])
-@pytest.mark.parametrize("kind", ["lstm", "gru"])
-def test_the_backward_takes_the_input_sides_gradients_only_where_they_are_small(kind, hidden_size, in_the_loop,
-                                                                                tmp_path):  # fmt: skip
-    """Where the forward computed its input side, the backward's loop takes d_x, d_w_ih, d_w_hh and the biases'
-    gradients itself while those fit 512 KB (G H (D + H) floats: no matmul in their graph, nor a sum), else the
-    vjp's matmuls after the loop; both agree with the layer given its input product, with x's gradient asked for
-    or not (x is data: the loop skips d_x)."""
-    gates, _, given_input_of, given_product_of = INPUT_KINDS[kind]
-    batch, input_size, steps = 8, 32, 6  # D <= 4 B: the forward computes its input side on AVX2 and AVX-512
-    batch_sizes = [batch] * (steps - 1) + [batch - 3]
-    rows = sum(batch_sizes)
-    arguments = [random((rows, input_size), 1), random((gates * hidden_size, input_size), 2, 0.2),
-                 random((gates * hidden_size, hidden_size), 3, recurrent_scale(hidden_size)),
-                 *input_kind_states(kind, batch, hidden_size, 4), random((gates * hidden_size,), 6)]  # fmt: skip
-    cotangent = random((rows, hidden_size), 7)
-
-    def loss(function):
-        return lambda *arguments: (function(batch_sizes, False)(*arguments)[0] * cotangent).sum()
-
-    assert "Matmul" not in graph_of(given_input_of(batch_sizes, False)(*arguments)[0], tmp_path)  # the input side
-    argnums = tuple(range(len(arguments)))
-    grads = mx.grad(loss(given_input_of), argnums)(*arguments)
-    graph = graph_of(grads[1], tmp_path)  # d_w_ih, read before it is evaluated
-    assert ("LSTMSequenceBackward" if kind == "lstm" else "GRUSequenceBackward") in graph
-    assert ("Matmul" not in graph) == in_the_loop
-    assert ("Sum" not in graph_of(grads[-1], tmp_path)) == in_the_loop  # the bias's gradient
-    want = mx.grad(loss(given_product_of), argnums)(*arguments)
-    for name, mine, theirs in zip(["d_x", "d_w_ih", "d_w_hh", "d_state0", "d_state1", "d_bias"], grads, want,
-                                  strict=True):  # fmt: skip
-        assert_close_at_scale(mine, theirs, TOLERANCE, name)
-    weights_only = mx.grad(loss(given_input_of), argnums[1:])(*arguments)
-    for name, mine, theirs in zip(["d_w_ih", "d_w_hh", "d_state0", "d_state1", "d_bias"], weights_only, want[1:],
-                                  strict=True):  # fmt: skip
-        assert_close_at_scale(mine, theirs, TOLERANCE, name)
 
 
 @linux_only
