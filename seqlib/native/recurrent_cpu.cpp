@@ -376,15 +376,14 @@ inline const Step* earlier_step(const Loop& loop, const Step& step) {
 inline bool continues(const Step* earlier, int r) { return earlier != nullptr && r < earlier->rows; }
 
 // The LSTM's backward through one step's gate math, for units [first, end) of rows [first_row, end_row) (those
-// of the step's rows that fall there): d_gates (the
-// step's rows of outs[0]) from d_h (the gradient reaching h, rows of d_h0's buffer) and d_c, which moves
-// back a step in place.  tanh of the step's c is computed again (the forward's function on the same floats:
+// of the step's rows that fall there): d_gates (the step's rows, from its first: rows of outs[0] or a
+// GateRows buffer) from d_h (the gradient reaching h, rows of d_h0's buffer) and d_c, which moves back a step
+// in place.  tanh of the step's c is computed again (the forward's function on the same floats:
 // the same bits); the c before the step is the earlier step's saved c, or c0's row where the row was not in
 // that step (the first step; a sequence that joins later in the reverse direction).  ins and outs as
 // lstm_backward's; earlier: earlier_step(loop, step); first a multiple of the saved blocks' units.
-void lstm_gate_backward(const std::vector<mx::array>& ins, std::vector<mx::array>& outs, const Step& step,
-                        const Step* earlier, const float* d_h, float* d_c, int first, int end, int first_row,
-                        int end_row) {
+void lstm_gate_backward(const std::vector<mx::array>& ins, float* d_gates, const Step& step, const Step* earlier,
+                        const float* d_h, float* d_c, int first, int end, int first_row, int end_row) {
   const int hidden = ins[4].shape(1);
   const SavedBlocks layout(hidden, kLstmSlots);
   const float* saved = ins[1].data<float>();
@@ -392,7 +391,7 @@ void lstm_gate_backward(const std::vector<mx::array>& ins, std::vector<mx::array
     const int row = step.first + r;
     const float* c0_row = row_of(ins[2], r);
     const float* d_output = row_of(ins[3], row);
-    float* d_a = row_of(outs[0], row);
+    float* d_a = d_gates + static_cast<size_t>(r) * 4 * hidden;
     const float* d_h_row = d_h + static_cast<size_t>(r) * hidden;
     float* d_c_row = d_c + static_cast<size_t>(r) * hidden;
     for_units(first, end, [&](int j, Lanes at) {
@@ -412,12 +411,14 @@ void lstm_gate_backward(const std::vector<mx::array>& ins, std::vector<mx::array
 
 // The GRU's backward through one step's gate math, for units [first, end) of rows [first_row, end_row) (those
 // of the step's rows that fall there): the gradients of
-// its input and hidden sides (outs[0], outs[1]) from d_h, which takes the direct path's part (the
+// its input and hidden sides (the step's rows, from its first: rows of outs[0] and outs[1] or GateRows buffers)
+// from d_h, which takes the direct path's part (the
 // recurrent product's is added after).  The state before the step is the earlier step's output row, or h0's
 // where the row was not in it (as the LSTM's c: lstm_gate_backward).  ins and outs as gru_backward's; earlier:
 // earlier_step(loop, step); first a multiple of the saved blocks' units.
-void gru_gate_backward(const std::vector<mx::array>& ins, std::vector<mx::array>& outs, const Step& step,
-                       const Step* earlier, float* d_h, int first, int end, int first_row, int end_row) {
+void gru_gate_backward(const std::vector<mx::array>& ins, float* d_input_side, float* d_hidden_side,
+                       const Step& step, const Step* earlier, float* d_h, int first, int end, int first_row,
+                       int end_row) {
   const int hidden = ins[5].shape(1);
   const SavedBlocks layout(hidden, kGruSlots);
   const float* saved = ins[1].data<float>();
@@ -425,8 +426,8 @@ void gru_gate_backward(const std::vector<mx::array>& ins, std::vector<mx::array>
     const int row = step.first + r;
     const float* h_prev = continues(earlier, r) ? row_of(ins[2], earlier->first + r) : row_of(ins[3], r);
     const float* d_output = row_of(ins[4], row);
-    float* d_input = row_of(outs[0], row);
-    float* d_hidden = row_of(outs[1], row);
+    float* d_input = d_input_side + static_cast<size_t>(r) * 3 * hidden;
+    float* d_hidden = d_hidden_side + static_cast<size_t>(r) * 3 * hidden;
     float* d_h_row = d_h + static_cast<size_t>(r) * hidden;
     for_units(first, end, [&](int j, Lanes at) {
       const float* slots = saved + layout.at(step, r, 0, j);
@@ -1011,6 +1012,35 @@ void gru_forward_packed(std::vector<mx::array>& ins, std::vector<mx::array>& out
   final_states(loop, outs[0], outs[1].data<float>());
 }
 
+// ----------------------------------------------------------------- the backward's gradients of the gates
+
+// Where a packed backward's gate math writes a step's gradients of the gates (d_x_gates; the GRU's input and
+// hidden sides), and its loop reads them back: the step's rows of the (N, width) output; or, where that has no
+// rows (the fused input-side backward: nothing reads them after the loop), one of two buffers of a step's rows,
+// which the steps take in turn.  A buffer is read by the team until it meets after the next step's gate math,
+// which writes the other one: the rows then stay in cache instead of going to memory, N G H floats written and
+// never read again.  Before, the stores of the GRU's gate math to its two (N, 3H) outputs held most of its time.
+class GateRows {
+ public:
+  GateRows(mx::array& out, int batch)
+      : width_(out.shape(1)),
+        out_(out.shape(0) > 0 ? out.data<float>() : nullptr),
+        buffers_(out_ == nullptr ? 2 * static_cast<size_t>(batch) * width_ : 0),
+        batch_(batch) {}
+  int width() const { return width_; }
+  // The first of the rows of step, the index-th step that the backward computes.
+  float* rows(const Step& step, size_t index) const {
+    if (out_ != nullptr) return out_ + static_cast<size_t>(step.first) * width_;
+    return buffers_.data() + (index % 2) * static_cast<size_t>(batch_) * width_;
+  }
+
+ private:
+  int width_;
+  float* out_;
+  mutable AlignedFloats buffers_;
+  int batch_;
+};
+
 // ----------------------------------------------------------------- the input side's gradients inside the backward
 //
 // Where a forward computed its input side in the loop (kInputSide), its backward takes in its loop what the vjp
@@ -1048,8 +1078,8 @@ struct InputGradients {
   int depth;               // D
   const mx::array* h0;     // (B, H) and output (N, H): the states the steps started from
   const mx::array* output;
-  const mx::array* d_input_side;   // (N, G H): d_x, d_w_ih and the bias's gradient from it
-  const mx::array* d_hidden_side;  // (N, G H): d_w_hh (and the GRU's b_hh) from it; the LSTM's is d_input_side
+  const GateRows* d_input_side;   // (N, G H): d_x, d_w_ih and the bias's gradient from it
+  const GateRows* d_hidden_side;  // (N, G H): d_w_hh (and the GRU's b_hh) from it; the LSTM's is d_input_side
   float* d_x;                      // (N, D); nullptr where x's gradient is not asked for
   float* d_w_ih;                   // (G H, D)
   float* d_w_hh;                   // (G H, H)
@@ -1136,14 +1166,14 @@ inline void accumulate_sums(int first, int end, int count, const float* d, int l
   }
 }
 
-// One step's weight and bias gradients for rows [first, end) of the gates (see above): the step's rows of x and
-// of the states they started from as the sources.
-void accumulate_step_gradients(const Loop& loop, const Step& step, const InputGradients& in, int first, int end,
-                               std::vector<const float*>& sources) {
+// One step's weight and bias gradients for rows [first, end) of the gates (see above), the index-th step computed:
+// the step's rows of x and of the states they started from as the sources.
+void accumulate_step_gradients(const Loop& loop, const Step& step, size_t index, const InputGradients& in, int first,
+                               int end, std::vector<const float*>& sources) {
   if (first >= end) return;
-  const int hidden = in.h0->shape(1), gates = in.d_input_side->shape(1);
-  const float* d_input = row_of(*in.d_input_side, step.first);
-  const float* d_hidden = row_of(*in.d_hidden_side, step.first);
+  const int hidden = in.h0->shape(1), gates = in.d_input_side->width();
+  const float* d_input = in.d_input_side->rows(step, index);
+  const float* d_hidden = in.d_hidden_side->rows(step, index);
   for (int r = 0; r < step.rows; ++r) sources[r] = in.x + (static_cast<size_t>(step.first) + r) * in.depth;
   accumulate_rows(first, end, step.rows, d_input, gates, sources.data(), in.depth, in.d_w_ih);
   const Step* earlier = earlier_step(loop, step);
@@ -1156,8 +1186,8 @@ void accumulate_step_gradients(const Loop& loop, const Step& step, const InputGr
 }
 
 // The backward's time loop on packed weights: per step (in reverse) each thread of the team runs
-// gate_backward(step, first, end, first row, end row) for its units and rows, which writes the step's
-// rows of d_gates (rows, K) for them; the team meets; then each thread computes its blocks of kTile
+// gate_backward(step, index, first, end, first row, end row) for its units and rows (index: the step's place in
+// the loop's order, for GateRows), which writes the step's rows of d_gates (rows, K) for them; the team meets; then each thread computes its blocks of kTile
 // columns of d_gates @ w_hh (K, H) for its rows, from all of d_gates' columns, and writes (or, with
 // accumulate, adds) them into d_h's rows.  The next step's gate_backward reads the same thread's columns
 // and rows of d_h (a thread keeps the same rows, the same sequences, at every step), and writes other
@@ -1166,10 +1196,10 @@ void accumulate_step_gradients(const Loop& loop, const Step& step, const InputGr
 // forward's backward), each thread then takes its share of the step's d_x rows and of the weight and bias
 // gradients' rows (see "the input side's gradients inside the backward" above).
 template <class GateBackward>
-void packed_backward_steps(const Loop& loop, int batch, int hidden, const float* w_hh, const mx::array& d_gates,
+void packed_backward_steps(const Loop& loop, int batch, int hidden, const float* w_hh, const GateRows& d_gates,
                            float* d_h, bool accumulate, GateBackward gate_backward,
                            const InputGradients* input = nullptr) {
-  const int depth = d_gates.shape(1), blocks = (hidden + kTile - 1) / kTile;
+  const int depth = d_gates.width(), blocks = (hidden + kTile - 1) / kTile;
   const int groups = std::min(team_size(batch, hidden, (hidden + kUnits - 1) / kUnits), blocks);
   const int parts = row_parts(batch, hidden, groups), threads = groups * parts;
   AlignedFloats packed(static_cast<size_t>(blocks) * depth * kTile);
@@ -1193,14 +1223,16 @@ void packed_backward_steps(const Loop& loop, int batch, int hidden, const float*
     if (parts > 1) barrier.wait(thread);  // each thread reads blocks that others of its group packed
     AlignedFloats products(static_cast<size_t>(batch) * kTile);  // a block's products for every row of a step
     for (auto step = loop.steps.rbegin(); step != loop.steps.rend(); ++step) {
-      gate_backward(*step, first, end, first_row, end_row);
+      const size_t index = step - loop.steps.rbegin();
+      gate_backward(*step, index, first, end, first_row, end_row);
       barrier.wait(thread);
       const int row = std::min(first_row, step->rows), rows = std::min(end_row, step->rows) - row;
+      const float* step_d_gates = d_gates.rows(*step, index);
       for (int i = 0; i < end_block - first_block; ++i) {
-        const int b = block_in_turn(first_block, end_block, i, step - loop.steps.rbegin());
+        const int b = block_in_turn(first_block, end_block, i, index);
         const float* block = packed.data() + static_cast<size_t>(b) * depth * kTile;
         const int column = b * kTile, columns = std::min(kTile, hidden - column);
-        rows_product(rows, row_of(d_gates, step->first + row), depth, depth, block, products.data(),
+        rows_product(rows, step_d_gates + static_cast<size_t>(row) * depth, depth, depth, block, products.data(),
                      [&](int first, int count) {
                        barrier.progress(thread);
                        for (int i = first; i < first + count; ++i) {
@@ -1217,7 +1249,8 @@ void packed_backward_steps(const Loop& loop, int batch, int hidden, const float*
       for (int b = 0; b < input_blocks && input->d_x != nullptr; ++b) {
         const float* block = packed_ih.data() + static_cast<size_t>(b) * depth * kTile;
         const int column = b * kTile, columns = std::min(kTile, input_width - column);
-        rows_product(end_x_row - first_x_row, row_of(*input->d_input_side, step->first + first_x_row), depth, depth,
+        rows_product(end_x_row - first_x_row,
+                     input->d_input_side->rows(*step, index) + static_cast<size_t>(first_x_row) * depth, depth, depth,
                      block, products.data(), [&](int first, int count) {
                        barrier.progress(thread);
                        for (int i = first; i < first + count; ++i) {
@@ -1226,7 +1259,7 @@ void packed_backward_steps(const Loop& loop, int batch, int hidden, const float*
                        }
                      });
       }
-      accumulate_step_gradients(loop, *step, *input, first_gate, end_gate, sources);
+      accumulate_step_gradients(loop, *step, index, *input, first_gate, end_gate, sources);
       barrier.progress(thread);
     }
   });
@@ -1235,8 +1268,8 @@ void packed_backward_steps(const Loop& loop, int batch, int hidden, const float*
 // A backward's InputGradients (kInputSide): x and w_ih at ins[at], ins[at + 1]; the outputs from outs[3] on (d_x,
 // empty where not asked for; d_w_ih, d_w_hh, d_bias, then the GRU's d_b_hh), the accumulated ones zeroed.
 InputGradients input_gradients(const std::vector<mx::array>& ins, std::vector<mx::array>& outs, size_t at,
-                               const mx::array& h0, const mx::array& output, const mx::array& d_input_side,
-                               const mx::array& d_hidden_side) {
+                               const mx::array& h0, const mx::array& output, const GateRows& d_input_side,
+                               const GateRows& d_hidden_side) {
   for (size_t k = 4; k < outs.size(); ++k) std::fill_n(outs[k].data<float>(), outs[k].size(), 0.0f);
   return InputGradients{ins[at].data<float>(), ins[at + 1].data<float>(), static_cast<int>(ins[at].shape(1)), &h0,
                         &output, &d_input_side, &d_hidden_side,
@@ -1250,12 +1283,13 @@ void lstm_backward_packed(std::vector<mx::array>& ins, std::vector<mx::array>& o
   float* d_c = outs[2].data<float>();
   copy_rows(d_h, ins[4].data<float>(), batch, hidden);
   copy_rows(d_c, ins[5].data<float>(), batch, hidden);
+  const GateRows d_gates(outs[0], batch);
   std::optional<InputGradients> input;
-  if (loop.option & kInputSide) input = input_gradients(ins, outs, 6, ins[9], ins[8], outs[0], outs[0]);
-  packed_backward_steps(loop, batch, hidden, ins[0].data<float>(), outs[0], d_h,
-                        false, [&](const Step& step, int first, int end, int first_row, int end_row) {
-                          lstm_gate_backward(ins, outs, step, earlier_step(loop, step), d_h, d_c, first, end,
-                                             first_row, end_row);
+  if (loop.option & kInputSide) input = input_gradients(ins, outs, 6, ins[9], ins[8], d_gates, d_gates);
+  packed_backward_steps(loop, batch, hidden, ins[0].data<float>(), d_gates, d_h, false,
+                        [&](const Step& step, size_t index, int first, int end, int first_row, int end_row) {
+                          lstm_gate_backward(ins, d_gates.rows(step, index), step, earlier_step(loop, step), d_h, d_c,
+                                             first, end, first_row, end_row);
                         }, input ? &*input : nullptr);
 }
 
@@ -1263,12 +1297,13 @@ void gru_backward_packed(std::vector<mx::array>& ins, std::vector<mx::array>& ou
   const int batch = ins[5].shape(0), hidden = ins[5].shape(1);
   float* d_h = outs[2].data<float>();
   copy_rows(d_h, ins[5].data<float>(), batch, hidden);
+  const GateRows d_input_side(outs[0], batch), d_hidden_side(outs[1], batch);
   std::optional<InputGradients> input;
-  if (loop.option & kInputSide) input = input_gradients(ins, outs, 6, ins[3], ins[2], outs[0], outs[1]);
-  packed_backward_steps(loop, batch, hidden, ins[0].data<float>(), outs[1], d_h,
-                        true, [&](const Step& step, int first, int end, int first_row, int end_row) {
-                          gru_gate_backward(ins, outs, step, earlier_step(loop, step), d_h, first, end, first_row,
-                                            end_row);
+  if (loop.option & kInputSide) input = input_gradients(ins, outs, 6, ins[3], ins[2], d_input_side, d_hidden_side);
+  packed_backward_steps(loop, batch, hidden, ins[0].data<float>(), d_hidden_side, d_h, true,
+                        [&](const Step& step, size_t index, int first, int end, int first_row, int end_row) {
+                          gru_gate_backward(ins, d_input_side.rows(step, index), d_hidden_side.rows(step, index), step,
+                                            earlier_step(loop, step), d_h, first, end, first_row, end_row);
                         }, input ? &*input : nullptr);
 }
 
@@ -1376,7 +1411,7 @@ void lstm_forward(std::vector<mx::array>& ins, std::vector<mx::array>& outs, con
 // ins: w_hh (4H, H), saved (N, SavedBlocks(H, kLstmSlots).row_floats()), c0 (B, H), d_output (N, H), d_h_n, d_c_n (B, H)
 // outs: d_x_gates (N, 4H), d_h0, d_c0 (B, H)
 //   with kInputSide also ins x (N, D), w_ih (4H, D), output (N, H), h0 (B, H) and outs d_x (N, D, or 0 rows),
-//   d_w_ih (4H, D), d_w_hh (4H, H), d_bias (4H,)
+//   d_w_ih (4H, D), d_w_hh (4H, H), d_bias (4H,); d_x_gates then has 0 rows (the loop keeps a step's: GateRows)
 void lstm_backward(std::vector<mx::array>& ins, std::vector<mx::array>& outs, const Loop& loop) {
 #if defined(__AVX2__) && defined(__FMA__)
   if ((loop.option & kInputSide) || runs_packed(loop)) return lstm_backward_packed(ins, outs, loop);
@@ -1387,7 +1422,8 @@ void lstm_backward(std::vector<mx::array>& ins, std::vector<mx::array>& outs, co
   copy_rows(d_h, ins[4].data<float>(), batch, hidden);
   copy_rows(d_c, ins[5].data<float>(), batch, hidden);
   for (auto step = loop.steps.rbegin(); step != loop.steps.rend(); ++step) {
-    lstm_gate_backward(ins, outs, *step, earlier_step(loop, *step), d_h, d_c, 0, hidden, 0, step->rows);
+    lstm_gate_backward(ins, row_of(outs[0], step->first), *step, earlier_step(loop, *step), d_h, d_c, 0, hidden, 0,
+                       step->rows);
     // d_h[:rows] = d_gates (rows, 4H) @ w_hh (4H, H)
     cblas_sgemm(kRowMajor, kNoTrans, kNoTrans, step->rows, hidden, gates, 1.0f, row_of(outs[0], step->first),
                 gates, ins[0].data<float>(), hidden, 0.0f, d_h, hidden);
@@ -1431,7 +1467,7 @@ void gru_forward(std::vector<mx::array>& ins, std::vector<mx::array>& outs, cons
 //   d_output (N, H), d_h_n (B, H)
 // outs: d_input_side (N, 3H) (= d_x_gates), d_hidden_side (N, 3H), d_h0 (B, H)
 //   with kInputSide also ins x (N, D), w_ih (3H, D) and outs d_x (N, D, or 0 rows), d_w_ih (3H, D), d_w_hh (3H, H),
-//   d_bias (3H,), d_b_hh (3H,)
+//   d_bias (3H,), d_b_hh (3H,); d_input_side and d_hidden_side then have 0 rows (the loop keeps a step's: GateRows)
 void gru_backward(std::vector<mx::array>& ins, std::vector<mx::array>& outs, const Loop& loop) {
 #if defined(__AVX2__) && defined(__FMA__)
   if ((loop.option & kInputSide) || runs_packed(loop)) return gru_backward_packed(ins, outs, loop);
@@ -1440,7 +1476,8 @@ void gru_backward(std::vector<mx::array>& ins, std::vector<mx::array>& outs, con
   float* d_h = outs[2].data<float>();
   copy_rows(d_h, ins[5].data<float>(), batch, hidden);
   for (auto step = loop.steps.rbegin(); step != loop.steps.rend(); ++step) {
-    gru_gate_backward(ins, outs, *step, earlier_step(loop, *step), d_h, 0, hidden, 0, step->rows);
+    gru_gate_backward(ins, row_of(outs[0], step->first), row_of(outs[1], step->first), *step,
+                      earlier_step(loop, *step), d_h, 0, hidden, 0, step->rows);
     // d_h[:rows] += d_hidden_side (rows, 3H) @ w_hh (3H, H)
     cblas_sgemm(kRowMajor, kNoTrans, kNoTrans, step->rows, hidden, gates, 1.0f, row_of(outs[1], step->first),
                 gates, ins[0].data<float>(), hidden, 1.0f, d_h, hidden);
@@ -1648,7 +1685,7 @@ std::vector<mx::array> lstm_vjp(const Loop& loop, const std::vector<mx::array>& 
   if (input_side && fuses_input_gradients(4, h, primals[0].shape(1)) && asks_for_weights(argnums)) {
     const int d_ = primals[0].shape(1);
     auto d = run_loop("LSTMSequenceBackward", lstm_backward,
-                      {{n, 4 * h}, {b, h}, {b, h}, {x_rows(argnums, n), d_}, {4 * h, d_}, {4 * h, h}, {4 * h}},
+                      {{0, 4 * h}, {b, h}, {b, h}, {x_rows(argnums, n), d_}, {4 * h, d_}, {4 * h, h}, {4 * h}},
                       {&primals[1], &outputs[3], &primals[3], &cotangents[0], &cotangents[1], &cotangents[2],
                        &primals[0], &primals[4], &outputs[0], &primals[2]},
                       Loop{loop.steps, kInputSide});
@@ -1679,7 +1716,7 @@ std::vector<mx::array> gru_vjp(const Loop& loop, const std::vector<mx::array>& p
   if (input_side && fuses_input_gradients(3, h, primals[0].shape(1)) && asks_for_weights(argnums)) {
     const int d_ = primals[0].shape(1);
     auto d = run_loop("GRUSequenceBackward", gru_backward,
-                      {{n, 3 * h}, {n, 3 * h}, {b, h}, {x_rows(argnums, n), d_}, {3 * h, d_}, {3 * h, h}, {3 * h},
+                      {{0, 3 * h}, {0, 3 * h}, {b, h}, {x_rows(argnums, n), d_}, {3 * h, d_}, {3 * h, h}, {3 * h},
                        {3 * h}},
                       {&primals[1], &outputs[2], &outputs[0], &primals[3], &cotangents[0], &cotangents[1],
                        &primals[0], &primals[4]},
