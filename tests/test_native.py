@@ -249,6 +249,7 @@ INPUT_CASES = [
     ([12] * 9 + [11] * 5 + [1], 56, 48, True),  # 15 sequences: D = 56 <= 60, blocks whole
     ([12] * 9 + [11] * 5 + [1], 7, 37, True),  # a partial block of units, D below a vector
     ([6] * 40, 130, 70, True),  # D past a depth chunk of the tiles (128)
+    ([9] * 8 + [4] * 3, 20, 40, True),  # partial blocks of the weight gradients' rows, narrow and wide
     ([7] * 2 + [3], 12, 300, True),  # small batch, wide: a team of threads shares the blocks
     ([5] * 4, 200, 16, False),  # D > 8 B: a matmul, then the loop on x_gates
     ([3] * 16, 32, 32, False),  # too few steps to pack: a matmul, then OpenBLAS's loop
