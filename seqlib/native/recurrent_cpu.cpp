@@ -1052,7 +1052,7 @@ class GateRows {
 //   columns of D as w_hh is (pack_column_blocks, K = G H), each thread a share of the step's rows (d_x feeds
 //   nothing in the loop: no thread waits for another's rows; with D = 32 the blocks alone were too few);
 // - the weight gradients: rows [g0, g1) of d_w_ih and d_w_hh (each thread its share of the G H rows, in blocks of
-//   kOuterColumns) add the step's outer products, d_gates[r, g] x[r] and d_gates[r, g] h_prev[r] for every row r
+//   vectors) add the step's outer products, d_gates[r, g] x[r] and d_gates[r, g] h_prev[r] for every row r
 //   in order, on register tiles of up to kOuterAccumulators vectors loaded from and stored back to the thread's
 //   own copy of those rows, transposed (Transposed, accumulate_rows), which goes to the gradient after the loop;
 //   the bias gradients add the step's d_gates rows on the same rows g.
@@ -1102,14 +1102,18 @@ struct Transposed {
   int first, end, stride;  // the gate rows [first, end), a source column's floats (end - first, padded)
   AlignedFloats at;
   Transposed(int first_gate, int end_gate, int width)
-      : first(first_gate), end(end_gate), stride((end_gate - first_gate + simd::kLanes - 1) / simd::kLanes * simd::kLanes),
+      : first(first_gate),
+        end(end_gate),
+        stride((end_gate - first_gate + simd::kLanes - 1) / simd::kLanes * simd::kLanes),
         at(static_cast<size_t>(width) * stride) {
     std::fill_n(at.data(), static_cast<size_t>(width) * stride, 0.0f);
   }
   // w (G H, width) rows [first, end) = the sums
   void write(int width, float* w) const {
     for (int g = first; g < end; ++g) {
-      for (int c = 0; c < width; ++c) w[static_cast<size_t>(g) * width + c] = at.data()[static_cast<size_t>(c) * stride + g - first];
+      for (int c = 0; c < width; ++c) {
+        w[static_cast<size_t>(g) * width + c] = at.data()[static_cast<size_t>(c) * stride + g - first];
+      }
     }
   }
 };
@@ -1213,9 +1217,9 @@ void accumulate_step_gradients(const Loop& loop, const Step& step, size_t index,
 
 // The backward's time loop on packed weights: per step (in reverse) each thread of the team runs
 // gate_backward(step, index, first, end, first row, end row) for its units and rows (index: the step's place in
-// the loop's order, for GateRows), which writes the step's rows of d_gates (rows, K) for them; the team meets; then each thread computes its blocks of kTile
-// columns of d_gates @ w_hh (K, H) for its rows, from all of d_gates' columns, and writes (or, with
-// accumulate, adds) them into d_h's rows.  The next step's gate_backward reads the same thread's columns
+// the loop's order, for GateRows), which writes the step's rows of d_gates (rows, K) for them; the team meets;
+// then each thread computes its blocks of kTile columns of d_gates @ w_hh (K, H) for its rows, from all of
+// d_gates' columns, and writes (or, with accumulate, adds) them into d_h's rows.  The next step's gate_backward reads the same thread's columns
 // and rows of d_h (a thread keeps the same rows, the same sequences, at every step), and writes other
 // rows of d_gates than the product still reads: one meeting per step.  As in the forward, rows are
 // shared among threads (row_parts) where the blocks are too few for them.  With input (an input-side
@@ -1231,7 +1235,7 @@ void packed_backward_steps(const Loop& loop, int batch, int hidden, const float*
   AlignedFloats packed(static_cast<size_t>(blocks) * depth * kTile);
   const int input_width = input != nullptr ? input->depth : 0, input_blocks = (input_width + kTile - 1) / kTile;
   AlignedFloats packed_ih(static_cast<size_t>(input_blocks) * depth * kTile);  // w_ih (G H, D) for d_x
-  const int gate_blocks = (depth + kOuterColumns - 1) / kOuterColumns;  // of the weight gradients' rows
+  const int gate_vectors = (depth + simd::kLanes - 1) / simd::kLanes;  // of the weight gradients' rows
   run_team(threads, [&](int thread, int, StepBarrier& barrier) {
     const int part = thread % parts, group = thread / parts;
     const auto [first_block, end_block] = share_of(0, blocks, group, groups);
@@ -1243,11 +1247,13 @@ void packed_backward_steps(const Loop& loop, int batch, int hidden, const float*
       const auto [from, to] = share_of(0, input_blocks, thread, threads);
       pack_column_blocks(input->w_ih, depth, input_width, from, to, packed_ih.data());
     }
-    const auto [first_gate_block, end_gate_block] = share_of(0, gate_blocks, thread, threads);
-    const int first_gate = std::min(depth, first_gate_block * kOuterColumns);
-    const int end_gate = std::min(depth, end_gate_block * kOuterColumns);
+    const auto [first_vector, end_vector] = share_of(0, gate_vectors, thread, threads);
+    const int first_gate = first_vector * simd::kLanes, end_gate = std::min(depth, end_vector * simd::kLanes);
     std::optional<Transposed> d_w_ih, d_w_hh;  // this thread's rows of the weight gradients
-    if (input != nullptr) d_w_ih.emplace(first_gate, end_gate, input_width), d_w_hh.emplace(first_gate, end_gate, hidden);
+    if (input != nullptr) {
+      d_w_ih.emplace(first_gate, end_gate, input_width);
+      d_w_hh.emplace(first_gate, end_gate, hidden);
+    }
     std::vector<const float*> sources(input != nullptr ? batch : 0);  // rows of x or of the states, for a step
     if (parts > 1) barrier.wait(thread);  // each thread reads blocks that others of its group packed
     AlignedFloats products(static_cast<size_t>(batch) * kTile);  // a block's products for every row of a step
