@@ -1076,8 +1076,8 @@ constexpr int kOuterAccumulators = 12, kOuterVectors = 2;  // of 16: 12 + 2 load
 constexpr int kOuterRows = kOuterAccumulators / kOuterVectors;  // a wide tile's
 constexpr int kOuterColumns = kOuterVectors * simd::kLanes;
 
-// Where a packed backward takes its input side's gradients (kInputSide); outputs zeroed before the loop (the bias
-// gradients add to theirs; the weight gradients are written after it).
+// Where a packed backward takes its input side's gradients (kInputSide): the bias gradients are zeroed before the
+// loop and add to themselves; the weight gradients are written after it (Transposed::write).
 struct InputGradients {
   const float* x;          // (N, D)
   const float* w_ih;       // (G H, D)
@@ -1219,10 +1219,10 @@ void accumulate_step_gradients(const Loop& loop, const Step& step, size_t index,
 // gate_backward(step, index, first, end, first row, end row) for its units and rows (index: the step's place in
 // the loop's order, for GateRows), which writes the step's rows of d_gates (rows, K) for them; the team meets;
 // then each thread computes its blocks of kTile columns of d_gates @ w_hh (K, H) for its rows, from all of
-// d_gates' columns, and writes (or, with accumulate, adds) them into d_h's rows.  The next step's gate_backward reads the same thread's columns
-// and rows of d_h (a thread keeps the same rows, the same sequences, at every step), and writes other
-// rows of d_gates than the product still reads: one meeting per step.  As in the forward, rows are
-// shared among threads (row_parts) where the blocks are too few for them.  With input (an input-side
+// d_gates' columns, and writes (or, with accumulate, adds) them into d_h's rows.  The next step's gate_backward
+// reads the same thread's columns and rows of d_h (a thread keeps the same rows, the same sequences, at every
+// step), and writes other rows of d_gates than the product still reads: one meeting per step.  As in the
+// forward, rows are shared among threads (row_parts) where the blocks are too few for them.  With input (an input-side
 // forward's backward), each thread then takes its share of the step's d_x rows and of the weight and bias
 // gradients' rows (see "the input side's gradients inside the backward" above).
 template <class GateBackward>
@@ -1302,11 +1302,12 @@ void packed_backward_steps(const Loop& loop, int batch, int hidden, const float*
 }
 
 // A backward's InputGradients (kInputSide): x and w_ih at ins[at], ins[at + 1]; the outputs from outs[3] on (d_x,
-// empty where not asked for; d_w_ih, d_w_hh, d_bias, then the GRU's d_b_hh), the accumulated ones zeroed.
+// empty where not asked for; d_w_ih, d_w_hh, d_bias, then the GRU's d_b_hh), the accumulated ones (the biases')
+// zeroed.
 InputGradients input_gradients(const std::vector<mx::array>& ins, std::vector<mx::array>& outs, size_t at,
                                const mx::array& h0, const mx::array& output, const GateRows& d_input_side,
                                const GateRows& d_hidden_side) {
-  for (size_t k = 4; k < outs.size(); ++k) std::fill_n(outs[k].data<float>(), outs[k].size(), 0.0f);
+  for (size_t k = 6; k < outs.size(); ++k) std::fill_n(outs[k].data<float>(), outs[k].size(), 0.0f);
   return InputGradients{ins[at].data<float>(), ins[at + 1].data<float>(), static_cast<int>(ins[at].shape(1)), &h0,
                         &output, &d_input_side, &d_hidden_side,
                         outs[3].size() > 0 ? outs[3].data<float>() : nullptr, outs[4].data<float>(),
@@ -1856,7 +1857,8 @@ std::vector<mx::array> lstm_input_sequence(const mx::array& x, const mx::array& 
     const auto s = seqlib_cpu::cpu_stream();
     return lstm_sequence(mx::matmul(x, mx::transpose(w_ih, s), s), w_hh, h0, c0, batch_sizes, reverse, save, bias);
   }
-  return run_loop("LSTMSequence", lstm_forward, lstm_output_shapes(n_, b_, h_, save), std::move(inputs), std::move(loop), lstm_vjp);
+  return run_loop("LSTMSequence", lstm_forward, lstm_output_shapes(n_, b_, h_, save), std::move(inputs),
+                  std::move(loop), lstm_vjp);
 }
 
 // The backward of lstm_sequence from its saved array (its fourth output where save is true) and c0.
@@ -1927,7 +1929,8 @@ std::vector<mx::array> gru_input_sequence(const mx::array& x, const mx::array& w
     const auto s = seqlib_cpu::cpu_stream();
     return gru_sequence(mx::matmul(x, mx::transpose(w_ih, s), s), w_hh, b_hh, h0, batch_sizes, reverse, save, bias);
   }
-  return run_loop("GRUSequence", gru_forward, gru_output_shapes(n_, b_, h_, save), std::move(inputs), std::move(loop), gru_vjp);
+  return run_loop("GRUSequence", gru_forward, gru_output_shapes(n_, b_, h_, save), std::move(inputs),
+                  std::move(loop), gru_vjp);
 }
 
 // The backward of gru_sequence from its saved array (its third output where save is true), output and h0.
