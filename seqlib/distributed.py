@@ -16,11 +16,24 @@ Dense gradients are summed with ``mx.distributed.all_sum`` (as
 :class:`~seqlib.sparse.SparseGradient` cannot be summed that way: each rank has
 different rows.  Its rows are gathered from every rank with
 ``mx.distributed.all_gather`` instead, and duplicate rows are then summed.
+
+:func:`launch_local` runs a script as a ring job of several processes on this
+machine, as ``mlx.launch`` does, for trying such a program (and testing it) on
+one computer.
 """
 
 from __future__ import annotations
 
+import os
+import random
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
 import zlib
+from pathlib import Path
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -28,7 +41,7 @@ import numpy as np
 
 from seqlib.sparse import SparseGradient
 
-__all__ = ["average_gradients"]
+__all__ = ["average_gradients", "launch_local"]
 
 
 def average_gradients(grads, group: mx.distributed.Group | None = None, all_reduce_size: int = 32 * 1024**2):
@@ -145,3 +158,98 @@ def _average_sparse(grad: SparseGradient, counts: np.ndarray, group) -> SparseGr
     real = mx.array(real.astype(np.int32))
     summed = SparseGradient(all_indices[real], all_values[real], grad.shape).coalesce()  # rows of every rank
     return SparseGradient(summed.indices, summed.values / size, grad.shape)
+
+
+def launch_local(script, *args, ranks: int = 2, env: dict | None = None, timeout: float = 120.0,
+                 attempts: int = 3) -> subprocess.CompletedProcess:  # fmt: skip
+    """Run ``python script *args`` as ``ranks`` processes of one ring job on this machine.
+
+    The command is ``mlx.launch --backend ring -n ranks --starting-port p python script *args``:
+    rank r listens on ``127.0.0.1:p + r``, and ``mx.distributed.init()`` in the script joins the
+    ring.  ``env`` adds to (or overrides) this process's environment.  Returns the launcher's
+    ``CompletedProcess`` (text ``stdout`` with every rank's output, and ``stderr``) of the first
+    attempt in which every rank exited 0.
+
+    A ring can fail to form for reasons that have nothing to do with the script: on a shared
+    machine another program may take a port between the check that it is free and the rank's bind.
+    The ports are therefore chosen below the kernel's ephemeral range (from which every outgoing
+    connection takes its local port), and a failed attempt is run again on other ports, up to
+    ``attempts`` times in all.  The launcher exits 0 even when a rank fails; a rank that exited with
+    an error, was killed, or a job that ran past ``timeout`` seconds (its processes are killed)
+    counts as a failed attempt.  A RuntimeError with every attempt's output if none succeeded.
+    """
+    if isinstance(ranks, bool) or not isinstance(ranks, int) or ranks < 1:
+        raise ValueError(f"ranks: expected a positive int, got {ranks!r}")
+    if isinstance(attempts, bool) or not isinstance(attempts, int) or attempts < 1:
+        raise ValueError(f"attempts: expected a positive int, got {attempts!r}")
+    if not Path(script).is_file():
+        raise FileNotFoundError(f"script: no such file {str(script)!r}")
+    launcher = _launcher()
+    environment = {**os.environ, **(env or {})}
+    reports = []
+    for attempt in range(1, attempts + 1):
+        command = [launcher, "--backend", "ring", "-n", str(ranks), "--starting-port", str(_free_ports(ranks)),
+                   sys.executable, str(script), *map(str, args)]  # fmt: skip
+        result, failure = _run_job(command, environment, timeout)
+        if failure is None:
+            return result
+        reports.append(f"attempt {attempt}: {failure}\nstdout:\n{result.stdout}\nstderr:\n{result.stderr}")
+    tries = f"{attempts} attempts" if attempts > 1 else "1 attempt"
+    raise RuntimeError(f"{script}: the {ranks}-rank job failed ({tries})\n" + "\n".join(reports))
+
+
+def _launcher() -> str:
+    """MLX's launcher: the ``mlx.launch`` installed beside this Python, else the one on PATH."""
+    beside = Path(sys.executable).parent / "mlx.launch"
+    found = str(beside) if beside.exists() else shutil.which("mlx.launch")
+    if found is None:
+        raise FileNotFoundError("mlx.launch (MLX's launcher for distributed jobs) was not found beside "
+                                f"{sys.executable} nor on PATH")  # fmt: skip
+    return found
+
+
+def _run_job(command: list[str], environment: dict, timeout: float):
+    """Run the launcher in its own process group; (its CompletedProcess, None or why the job failed)."""
+    with subprocess.Popen(command, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                          text=True, env=environment, start_new_session=True) as process:  # fmt: skip
+        try:
+            stdout, stderr = process.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(process.pid, signal.SIGKILL)  # the launcher and the ranks it started
+            stdout, stderr = process.communicate()
+            return subprocess.CompletedProcess(command, process.returncode, stdout, stderr), f"ran past {timeout} s"
+    result = subprocess.CompletedProcess(command, process.returncode, stdout, stderr)
+    if process.returncode != 0:
+        return result, f"the launcher exited with {process.returncode}"
+    failed_rank = re.search(r"Node with rank \d+ (exited with code -?\d+|was killed)", stderr)
+    return result, (failed_rank.group(0) if failed_rank else None)
+
+
+def _free_ports(count: int) -> int:
+    """A port p with p, ..., p + count - 1 free on 127.0.0.1, below the ephemeral ports' range."""
+    below = min(_ephemeral_ports_start(), 32768)  # 32768: Linux's default start
+    if below < 21000 + count:  # a system whose ephemeral range starts this low: the retries must do
+        below = 32768
+    highest = below - count
+    choose = random.Random()  # not the caller's seeded generator: concurrent jobs should differ
+    for _ in range(100):
+        port = choose.randrange(20000, highest)
+        sockets = [socket.socket() for _ in range(count)]
+        try:
+            for offset, sock in enumerate(sockets):
+                sock.bind(("127.0.0.1", port + offset))
+            return port
+        except OSError:
+            continue
+        finally:
+            for sock in sockets:
+                sock.close()
+    raise RuntimeError(f"no {count} consecutive free ports on 127.0.0.1 between 20000 and {highest + count}")
+
+
+def _ephemeral_ports_start() -> int:
+    """The first port of Linux's ephemeral range (ip_local_port_range); 49152 (IANA's, macOS's) elsewhere."""
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 49152

@@ -6,11 +6,7 @@ the result must match one process trained on the whole batches (run here, from t
 """
 
 import importlib.util
-import os
-import shutil
-import socket
 import subprocess
-import sys
 from pathlib import Path
 
 import mlx.core as mx
@@ -18,7 +14,7 @@ import numpy as np
 import pytest
 
 import seqlib
-from seqlib.distributed import average_gradients
+from seqlib.distributed import average_gradients, launch_local
 
 SCRIPT = Path(__file__).parent / "distributed" / "train_shards.py"
 
@@ -38,29 +34,6 @@ def load_script():
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
-
-
-def launcher() -> str | None:
-    beside = Path(sys.executable).parent / "mlx.launch"
-    return str(beside) if beside.exists() else shutil.which("mlx.launch")
-
-
-def free_port_pair() -> int:
-    """A port p with p and p + 1 free on localhost (the ring backend's ranks listen on them)."""
-    for _ in range(50):
-        with socket.socket() as probe:
-            probe.bind(("127.0.0.1", 0))
-            port = probe.getsockname()[1]
-        if port >= 65535:
-            continue
-        try:
-            with socket.socket() as first, socket.socket() as second:
-                first.bind(("127.0.0.1", port))
-                second.bind(("127.0.0.1", port + 1))
-            return port
-        except OSError:
-            continue
-    raise RuntimeError("no two consecutive free ports on 127.0.0.1")
 
 
 # ---- one process ---------------------------------------------------------------------------------------
@@ -106,14 +79,11 @@ def test_leaves_that_are_not_gradients_are_refused(tree, message):
 
 def run_two_ranks(tmp_path, **environment) -> tuple[object, str]:
     """Launch train_shards.py as two ranks writing into tmp_path; the result and a report of its output."""
-    launch = launcher()
-    if launch is None:
-        pytest.skip("mlx.launch (MLX's launcher for distributed jobs) is not installed")
-    command = [launch, "--backend", "ring", "-n", "2", "--starting-port", str(free_port_pair()),
-               sys.executable, str(SCRIPT), str(tmp_path)]  # fmt: skip
-    environment = {**os.environ, "OPENBLAS_NUM_THREADS": "1", "OMP_NUM_THREADS": "1", **environment}  # 2 cores
-    result = subprocess.run(command, capture_output=True, text=True, timeout=120, stdin=subprocess.DEVNULL,
-                            env=environment)  # fmt: skip
+    environment = {"OPENBLAS_NUM_THREADS": "1", "OMP_NUM_THREADS": "1", **environment}  # 2 cores
+    try:
+        result = launch_local(SCRIPT, tmp_path, ranks=2, env=environment)
+    except FileNotFoundError as error:  # no mlx.launch
+        pytest.skip(str(error))
     return result, f"mlx.launch exited with {result.returncode}\nstdout:\n{result.stdout}\nstderr:\n{result.stderr}"
 
 
@@ -164,3 +134,45 @@ def test_summing_instead_of_averaging_is_caught_at_the_gradient_and_by_sgd(tmp_p
     parameters = [name for name in sgd_reference if not name.startswith("first_")]
     worst = max(np.abs(sgd[name] - sgd_reference[name]).max() for name in parameters)
     assert worst > 100 * ATOL["sgd"], f"SGD's parameters should show the doubled step, moved only {worst}\n{output}"
+
+
+# ---- launch_local --------------------------------------------------------------------------------------
+
+FLAKY = Path(__file__).parent / "distributed" / "flaky_rank.py"
+
+
+def test_launch_local_runs_every_rank_of_one_ring(tmp_path):
+    result = launch_local(FLAKY, tmp_path, "once", ranks=2, attempts=2)  # rank 1 fails once, then succeeds
+    lines = sorted(line for line in result.stdout.splitlines() if line.startswith("rank "))
+    assert lines == ["rank 0 of 2: all_sum -> 3.0", "rank 1 of 2: all_sum -> 3.0"], result.stdout
+
+
+def test_launch_local_reports_every_failed_attempt(tmp_path):
+    with pytest.raises(RuntimeError, match=r"the 2-rank job failed \(2 attempts\)") as caught:
+        launch_local(FLAKY, tmp_path, "always", attempts=2)
+    message = str(caught.value)
+    assert "attempt 1: Node with rank 1 exited with code 3" in message
+    assert "attempt 2: Node with rank" in message
+
+
+def test_launch_local_kills_a_job_that_runs_past_its_timeout(tmp_path):
+    with pytest.raises(RuntimeError, match=r"attempt 1: ran past 10(\.0)? s"):
+        launch_local(FLAKY, tmp_path, "hang", timeout=10, attempts=1)
+    assert sorted(path.name for path in tmp_path.glob("hanging_*")) == ["hanging_0", "hanging_1"]
+    running = subprocess.run(["pgrep", "-f", f"flaky_rank.py {tmp_path}"], capture_output=True, text=True)
+    assert running.stdout == "", f"ranks still running after the timeout: {running.stdout}"
+
+
+@pytest.mark.parametrize(
+    ("arguments", "error", "message"),
+    [
+        ({"ranks": 0}, ValueError, r"ranks: expected a positive int, got 0"),
+        ({"ranks": True}, ValueError, r"ranks: expected a positive int, got True"),
+        ({"attempts": 0}, ValueError, r"attempts: expected a positive int, got 0"),
+        ({"script": "no/such/script.py"}, FileNotFoundError, r"script: no such file 'no/such/script.py'"),
+    ],
+)
+def test_launch_local_refuses_bad_arguments(arguments, error, message):
+    script = arguments.pop("script", FLAKY)
+    with pytest.raises(error, match=message):
+        launch_local(script, "unused", **arguments)
