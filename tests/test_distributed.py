@@ -6,7 +6,8 @@ the result must match one process trained on the whole batches (run here, from t
 """
 
 import importlib.util
-import subprocess
+import os
+import time
 from pathlib import Path
 
 import mlx.core as mx
@@ -158,9 +159,22 @@ def test_launch_local_reports_every_failed_attempt(tmp_path):
 def test_launch_local_kills_a_job_that_runs_past_its_timeout(tmp_path):
     with pytest.raises(RuntimeError, match=r"attempt 1: ran past 10(\.0)? s"):
         launch_local(FLAKY, tmp_path, "hang", timeout=10, attempts=1)
-    assert sorted(path.name for path in tmp_path.glob("hanging_*")) == ["hanging_0", "hanging_1"]
-    running = subprocess.run(["pgrep", "-f", f"flaky_rank.py {tmp_path}"], capture_output=True, text=True)
-    assert running.stdout == "", f"ranks still running after the timeout: {running.stdout}"
+    pids = {path.name: int(path.read_text()) for path in tmp_path.glob("hanging_*")}
+    assert sorted(pids) == ["hanging_0", "hanging_1"]  # both ranks joined the ring, then hung
+    deadline = time.monotonic() + 5
+    while any(map(running, pids.values())) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not any(map(running, pids.values())), f"ranks still running after the timeout: {pids}"
+
+
+def running(pid: int) -> bool:
+    """Whether process ``pid`` exists and is not a zombie (one killed, not yet reaped, is dead too)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    stat = Path(f"/proc/{pid}/stat")  # Linux: the state letter follows the command's closing parenthesis
+    return not (stat.exists() and stat.read_text().rsplit(")", 1)[1].split()[0] == "Z")
 
 
 @pytest.mark.parametrize(

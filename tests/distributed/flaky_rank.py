@@ -5,6 +5,7 @@ MODE ``always``: rank 1 always fails.  MODE ``hang``: every rank sleeps past any
 Ranks that get through print ``rank r of R: all_sum -> S``.
 """
 
+import os
 import sys
 import time
 from pathlib import Path
@@ -14,7 +15,7 @@ import mlx.core as mx
 folder, mode = Path(sys.argv[1]), sys.argv[2]
 group = mx.distributed.init()
 if mode == "hang":
-    (folder / f"hanging_{group.rank()}").write_text("")
+    (folder / f"hanging_{group.rank()}").write_text(str(os.getpid()))
     time.sleep(600)
 if group.rank() == 1 and (mode == "always" or not (folder / "failed_once").exists()):
     (folder / "failed_once").write_text("")
