@@ -49,6 +49,8 @@
 #include <type_traits>
 #include <vector>
 
+#include <unistd.h>
+
 #include <nanobind/nanobind.h>
 #include <nanobind/stl/optional.h>
 #include <nanobind/stl/string.h>
@@ -639,6 +641,26 @@ void pack_column_blocks(const float* w, int depth, int width, int first, int end
   }
 }
 
+// A core's L2 in bytes, as the C library reports it (1 MB where it does not).
+int64_t l2_bytes() {
+  static const int64_t bytes = [] {
+#if defined(_SC_LEVEL2_CACHE_SIZE)  // glibc's; macOS has none
+    const long reported = sysconf(_SC_LEVEL2_CACHE_SIZE);
+#else
+    const long reported = 0;
+#endif
+    return reported > 0 ? int64_t{reported} : int64_t{1} << 20;
+  }();
+  return bytes;
+}
+
+// Lines of data that a tile asks L2 for while it multiplies, one per k (its first `lines` k): the next chunk's
+// weights, which the next tiles will read (rows_product).
+struct Ahead {
+  const char* from = nullptr;
+  int lines = 0;
+};
+
 // tile (ROWS, SLOTS kUnits) = a[ROWS rows of stride lda, depth columns] @ block (depth, SLOTS kUnits), or with resume
 // tile += that product: the accumulators start from the tile, so a product taken in chunks of depth adds
 // its products in the same order, and rounds the same, as one taken whole.
@@ -653,7 +675,8 @@ void pack_column_blocks(const float* w, int depth, int width, int first, int end
 // 256) 0.36-0.37 -> 0.31-0.33; the LSTM's loop unchanged by the template (27.6-28.3 / 27.3-27.8 ms at (100, 32,
 // 512)).
 template <int ROWS, int SLOTS>
-inline void tile_product(const float* a, int lda, int depth, const float* block, float* tile, bool resume) {
+inline void tile_product(const float* a, int lda, int depth, const float* block, float* tile, bool resume,
+                         Ahead ahead = {}) {
   constexpr int width = SLOTS * kUnits;
   __m512 acc[ROWS][SLOTS];
   for (int r = 0; r < ROWS; ++r) {
@@ -663,6 +686,7 @@ inline void tile_product(const float* a, int lda, int depth, const float* block,
   }
   for (int k = 0; k < depth; ++k) {
     const float* w = block + static_cast<size_t>(k) * width;
+    if (k < ahead.lines) _mm_prefetch(ahead.from + 64 * k, _MM_HINT_T1);
     __m512 weights[SLOTS];
     for (int v = 0; v < SLOTS; ++v) weights[v] = _mm512_loadu_ps(w + 16 * v);
     for (int r = 0; r < ROWS; ++r) {
@@ -681,7 +705,8 @@ inline void tile_product(const float* a, int lda, int depth, const float* block,
 // latency: it takes all 32 columns at once, 4 accumulators.  The GRU's 24 columns go at once: 3 vectors and
 // ROWS <= 4 broadcasts into 12 accumulators, 12 FMAs per 7 loads.
 template <int ROWS, int SLOTS>
-inline void tile_product(const float* a, int lda, int depth, const float* block, float* tile, bool resume) {
+inline void tile_product(const float* a, int lda, int depth, const float* block, float* tile, bool resume,
+                         Ahead ahead = {}) {
   static_assert(SLOTS == 3 || SLOTS == 4, "a block has the GRU's 3 or the LSTM's 4 slots");
   constexpr int width = SLOTS * kUnits, vectors = SLOTS == 3 ? 3 : 2, parts = SLOTS == 3 ? 1 : 2;
   for (int part = 0; part < parts; ++part) {  // the GRU's one pass, the LSTM's two halves
@@ -693,6 +718,7 @@ inline void tile_product(const float* a, int lda, int depth, const float* block,
     }
     const float* w = block + 16 * part;
     for (int k = 0; k < depth; ++k, w += width) {
+      if (part == 0 && k < ahead.lines) _mm_prefetch(ahead.from + 64 * k, _MM_HINT_T1);
       __m256 weights[vectors];
       for (int v = 0; v < vectors; ++v) weights[v] = _mm256_loadu_ps(w + 8 * v);
       for (int r = 0; r < ROWS; ++r) {
@@ -707,10 +733,12 @@ inline void tile_product(const float* a, int lda, int depth, const float* block,
 }
 
 template <>
-inline void tile_product<1, 4>(const float* a, int, int depth, const float* block, float* tile, bool resume) {
+inline void tile_product<1, 4>(const float* a, int, int depth, const float* block, float* tile, bool resume,
+                               Ahead ahead) {
   __m256 acc[4];
   for (int v = 0; v < 4; ++v) acc[v] = resume ? _mm256_loadu_ps(tile + 8 * v) : _mm256_setzero_ps();
   for (int k = 0; k < depth; ++k) {
+    if (k < ahead.lines) _mm_prefetch(ahead.from + 64 * k, _MM_HINT_T1);
     const float* w = block + static_cast<size_t>(k) * kTile;
     const __m256 x = _mm256_broadcast_ss(a + k);
     for (int v = 0; v < 4; ++v) acc[v] = _mm256_fmadd_ps(x, _mm256_loadu_ps(w + 8 * v), acc[v]);
@@ -722,11 +750,11 @@ inline void tile_product<1, 4>(const float* a, int, int depth, const float* bloc
 // tile_product for rows (1 .. ROWS) rows: ROWS starts at the most a tile of SLOTS vectors takes.
 template <int SLOTS, int ROWS = rows_per_tile_of(SLOTS)>
 inline void tile_product_of_rows(int rows, const float* a, int lda, int depth, const float* block, float* tile,
-                                 bool resume) {
+                                 bool resume, Ahead ahead = {}) {
   if constexpr (ROWS > 1) {
-    if (rows < ROWS) return tile_product_of_rows<SLOTS, ROWS - 1>(rows, a, lda, depth, block, tile, resume);
+    if (rows < ROWS) return tile_product_of_rows<SLOTS, ROWS - 1>(rows, a, lda, depth, block, tile, resume, ahead);
   }
-  tile_product<ROWS, SLOTS>(a, lda, depth, block, tile, resume);
+  tile_product<ROWS, SLOTS>(a, lda, depth, block, tile, resume, ahead);
 }
 
 // The rows (rows, SLOTS kUnits: kTile for the LSTM and the backward) = a[rows of stride lda, depth columns] @
@@ -737,22 +765,39 @@ inline void tile_product_of_rows(int rows, const float* a, int lda, int depth, c
 // tiles' accumulators: the same bits as one pass.  One thread at (T, B, H) = (100, 32, 512), interleaved runs:
 // 145 -> 118 ms (2-core Zen 3, AVX2).  With AVX-512's 64 columns, chunks of 128 beat 64 by 5-7% (the product
 // alone, 2-core Sapphire Rapids, 48 KB of L1).
+// With ask_ahead (where a thread's blocks outgrow half its L2, so that each step reads them from L3 again), the
+// tiles of a chunk ask L2 for the next chunk while they multiply, one line per k, the chunk's lines shared among
+// its tiles: after the block's last chunk, the first kDepthChunk rows of `then` (then_floats floats), the block
+// the thread takes next.  Without it the first tile of every chunk waited on L3 (the hottest instruction of the
+// forward at (T, B, D, H) = (100, 32, 256, 512) was a weight load).  Interleaved builds, 2-core AVX-512 Xeon
+// (2 MB of L2), medians, ms: LSTM forward (100, 32, 256, 512) 40.4, 40.3, 39.1 -> 36.6, 35.3, 35.4; (35, 20,
+// 650, 650) 19.8, 19.6 -> 18.3, 18.7; GRU (100, 32, 256, 512) 28.5, 28.8 -> 27.5, 26.9; LSTM (50, 1, 64, 512)
+// 2.95, 2.72 -> 2.51, 2.41; in the backward's product too, LSTM forward+backward (100, 32, 256, 512) 120, 125 ->
+// 113, 108 (the GRU's even).  Where the weights fit, asking for lines already in L2 bought nothing: (200, 64, 128,
+// 128) lost 1-3%, hence the condition.  No output changes: the same products in the same order.
 constexpr int kDepthChunk = 128;
 // Each tile's rows are finished by its last chunk: epilogue(first row, rows) then runs on them, while they are in
 // L1, and its work (gate math: divides and dependent chains) overlaps the next tile's FMAs in the core.
 template <int SLOTS = 4, class Epilogue>
 inline void rows_product(int rows, const float* a, int lda, int depth, const float* block, float* out,
-                         Epilogue epilogue) {
+                         Epilogue epilogue, bool ask_ahead = false, const float* then = nullptr, int then_floats = 0) {
   constexpr int width = SLOTS * kUnits;
   constexpr int rows_per_tile = rows_per_tile_of(SLOTS);
   const int tiles = (rows + rows_per_tile - 1) / rows_per_tile;
   for (int k = 0; k < depth; k += kDepthChunk) {
     const int chunk = std::min(kDepthChunk, depth - k);
     const bool last = k + chunk == depth;
+    // what the tiles ask for while they take this chunk: the next chunk, or after the last one, `then`
+    const char* next = !ask_ahead ? nullptr
+                       : reinterpret_cast<const char*>(last ? then : block + static_cast<size_t>(k + chunk) * width);
+    const int next_lines = (last ? then_floats : std::min(kDepthChunk, depth - k - chunk) * width) / 16;
     for (int t = 0; t < tiles; ++t) {
       const int r0 = rows * t / tiles, count = rows * (t + 1) / tiles - r0;
+      const int from_line = next_lines * t / tiles, lines = next_lines * (t + 1) / tiles - from_line;
+      const Ahead ahead = next != nullptr ? Ahead{next + 64 * from_line, std::min(lines, chunk)} : Ahead{};
       tile_product_of_rows<SLOTS>(count, a + static_cast<size_t>(r0) * lda + k, lda, chunk,
-                                  block + static_cast<size_t>(k) * width, out + static_cast<size_t>(r0) * width, k > 0);
+                                  block + static_cast<size_t>(k) * width, out + static_cast<size_t>(r0) * width, k > 0,
+                                  ahead);
       if (last) epilogue(r0, count);
     }
   }
@@ -900,6 +945,8 @@ void packed_steps(const Loop& loop, int batch, int hidden, const float* w_hh, co
       pack_gate_blocks(input.w_ih, hidden, depth, GATES, pack_from, pack_end, packed_ih.data());
     }
     if (parts > 1) barrier.wait(thread);  // each thread reads blocks that others of its group packed
+    const int64_t weight_bytes = int64_t{4} * (end_block - first_block) * (hidden + depth) * width;
+    const bool ask_ahead = 2 * weight_bytes > l2_bytes();  // its blocks' weights outgrow L2: see rows_product
     AlignedFloats products(static_cast<size_t>(batch) * width);  // a block's products for every row of a step
     AlignedFloats input_products(input.x != nullptr ? static_cast<size_t>(batch) * width : 0);  // and x's
     float *current = h, *next = h_next;
@@ -916,10 +963,17 @@ void packed_steps(const Loop& loop, int batch, int hidden, const float* w_hh, co
         const float* block = packed.data() + static_cast<size_t>(b) * hidden * width;
         const int unit = b * kUnits, units = std::min(kUnits, hidden - unit);
         const auto ask = [&](int r) { prefetch_row(row_of(x_gates, coming->first + r) + unit, hidden, GATES); };
+        // what the thread reads after this block: the next block's w_ih (or w_hh); none after the step's last
+        const int then_block = n + 1 < end_block - first_block ? block_in_turn(first_block, end_block, n + 1, s) : -1;
+        const float* then = then_block < 0 ? nullptr
+                            : input.x != nullptr ? packed_ih.data() + static_cast<size_t>(then_block) * depth * width
+                                                 : packed.data() + static_cast<size_t>(then_block) * hidden * width;
+        const int then_floats = std::min(kDepthChunk, input.x != nullptr ? depth : hidden) * width;
         if (input.x != nullptr) {  // the input side: x[rows] @ the block's w_ih, for gate_math beside h's product
           rows_product<GATES>(end_row - first_row, input.x + (static_cast<size_t>(step.first) + first_row) * depth,
                               depth, depth, packed_ih.data() + static_cast<size_t>(b) * depth * width,
-                              input_products.data(), [&](int, int) { barrier.progress(thread); });
+                              input_products.data(), [&](int, int) { barrier.progress(thread); }, ask_ahead,
+                              block, std::min(kDepthChunk, hidden) * width);
         }
         rows_product<GATES>(end_row - first_row, current + static_cast<size_t>(first_row) * hidden, hidden, hidden,
                             block, products.data(), [&](int first, int count) {
@@ -930,7 +984,7 @@ void packed_steps(const Loop& loop, int batch, int hidden, const float* w_hh, co
                                    input.x != nullptr ? input_products.data() + at : nullptr, current, next);
                          if (ahead_first + i < ahead_end) ask(ahead_first + i);
                        }
-                     });
+                     }, ask_ahead, then, then_floats);
         for (int r = ahead_first + end_row - first_row; r < ahead_end; ++r) ask(r);
       }
       barrier.wait(thread);
@@ -1256,6 +1310,8 @@ void packed_backward_steps(const Loop& loop, int batch, int hidden, const float*
     }
     std::vector<const float*> sources(input != nullptr ? batch : 0);  // rows of x or of the states, for a step
     if (parts > 1) barrier.wait(thread);  // each thread reads blocks that others of its group packed
+    const int64_t weight_bytes = int64_t{4} * (end_block - first_block) * depth * kTile;
+    const bool ask_ahead = 2 * weight_bytes > l2_bytes();  // its blocks outgrow L2: see rows_product
     AlignedFloats products(static_cast<size_t>(batch) * kTile);  // a block's products for every row of a step
     for (auto step = loop.steps.rbegin(); step != loop.steps.rend(); ++step) {
       const size_t index = step - loop.steps.rbegin();
@@ -1267,6 +1323,9 @@ void packed_backward_steps(const Loop& loop, int batch, int hidden, const float*
         const int b = block_in_turn(first_block, end_block, i, index);
         const float* block = packed.data() + static_cast<size_t>(b) * depth * kTile;
         const int column = b * kTile, columns = std::min(kTile, hidden - column);
+        const int then_block = i + 1 < end_block - first_block ? block_in_turn(first_block, end_block, i + 1, index)
+                                                                : -1;  // the block this thread takes next
+        const float* then = then_block < 0 ? nullptr : packed.data() + static_cast<size_t>(then_block) * depth * kTile;
         rows_product(rows, step_d_gates + static_cast<size_t>(row) * depth, depth, depth, block, products.data(),
                      [&](int first, int count) {
                        barrier.progress(thread);
@@ -1275,7 +1334,7 @@ void packed_backward_steps(const Loop& loop, int batch, int hidden, const float*
                          const float* result = products.data() + static_cast<size_t>(i) * kTile;
                          for (int j = 0; j < columns; ++j) target[j] = accumulate ? target[j] + result[j] : result[j];
                        }
-                     });
+                     }, ask_ahead, then, std::min(kDepthChunk, depth) * kTile);
       }
       if (input == nullptr) continue;
       // d_x's rows of the step, d_input_side @ w_ih: each thread a share of them
