@@ -265,6 +265,9 @@ def cpu_has(flag: str) -> bool:
         return False
 
 
+needs_packed_loops = pytest.mark.skipif(not cpu_has("avx2"), reason="the packed loops need AVX2 and FMA")
+
+
 # For each kind given its input: its gates, its states, the sequence function given the input and the one given
 # x_gates, each (x, w_ih, w_hh, *states, bias) -> outputs.
 INPUT_KINDS = {
@@ -333,7 +336,7 @@ def test_a_layer_given_its_input_equals_one_given_its_input_product(kind, case, 
 
 
 @linux_only
-@pytest.mark.skipif(not cpu_has("avx2"), reason="the packed loops need AVX2 and FMA")
+@needs_packed_loops
 @pytest.mark.parametrize(("input_size", "computed_in_the_loop"), [(64, True), (66, False)])
 @pytest.mark.parametrize("kind", ["lstm", "gru"])
 def test_the_loop_computes_its_input_side_only_where_the_input_is_narrow(kind, input_size, computed_in_the_loop,
@@ -354,7 +357,7 @@ def test_the_loop_computes_its_input_side_only_where_the_input_is_narrow(kind, i
 
 
 @linux_only
-@pytest.mark.skipif(not cpu_has("avx2"), reason="the packed loops need AVX2 and FMA")
+@needs_packed_loops
 @pytest.mark.parametrize(("hidden_size", "in_the_loop"), [(32, True), (224, False)])
 @pytest.mark.parametrize("kind", ["lstm", "gru"])
 def test_the_backward_takes_the_input_sides_gradients_only_where_they_are_small(kind, hidden_size, in_the_loop,
