@@ -1,4 +1,5 @@
-"""Functional forms of seqlib's layers, with PyTorch's signatures.
+"""Functional forms of seqlib's layers (and the cross-entropy loss, :mod:`seqlib.losses`), with PyTorch's
+signatures.
 
 Like ``torch.nn.functional``, these take the weights as arguments and hold no
 state.  The modules in :mod:`seqlib.nn` call them.  Which implementation runs is
@@ -27,6 +28,7 @@ from seqlib import native
 from seqlib.dispatch import path_for
 from seqlib.graph import host_values
 from seqlib.kernels import bag_kernels, embedding_kernels
+from seqlib.losses import cross_entropy
 from seqlib._bags import BAG_MODES, bag_bounds, bag_layout, check_bag_mode, flatten_bags
 from seqlib._checks import (
     as_index_array,
@@ -38,6 +40,7 @@ from seqlib._checks import (
 )
 
 __all__ = [
+    "cross_entropy",
     "embedding",
     "embedding_bag",
     "embedding_renorm",

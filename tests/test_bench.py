@@ -28,7 +28,7 @@ def test_recurrent_suite_runs_validates_and_prints_ratios_against_torch_and_mlx_
                      "GFLOP of matmuls", "summary", "[ok]", "this machine's limits", "x limit",
                      "training step, character model", "seqlib (compiled)", "compiled / torch",
                      "the step's parts", "embedding + LSTM layers forward+backward (seqlib)", "Adam update (MLX)",
-                     "cross-entropy forward+backward (MLX)",
+                     "cross-entropy forward+backward (seqlib)", "compiled with MLX's cross-entropy / torch",
                      "MLX buffer cache limit raised", "streaming with 8-bit weights", "8-bit / float"):  # fmt: skip
         assert expected in result.stdout
     assert "MISMATCH" not in result.stdout

@@ -14,12 +14,12 @@ Three tables:
    with 8-bit weights (``to_quantized``) against the float cell and torch's dynamically
    quantized int8 LSTMCell.
 4. Training a whole model: chapter 13's character model (Embedding(97, 32), a 2-layer
-   LSTM, a Linear head, cross-entropy, Adam; B = 64, L = 32), one training step, the
-   MLX step compiled as MLX programs run it (``mx.compile`` with the model's and the
-   optimizer's state) and eager, against the same model in torch from the same weights;
-   then the step's three parts against torch's (the LSTM layers' forward and backward, which
-   are seqlib's; the head and cross-entropy, and the Adam update, which are MLX's), to show
-   which of them the whole step's ratio comes from.
+   LSTM, a Linear head, seqlib's cross-entropy, Adam; B = 64, L = 32), one training step,
+   the MLX step compiled as MLX programs run it (``mx.compile`` with the model's and the
+   optimizer's state) and eager, and compiled with ``mlx.nn.losses.cross_entropy`` in place of
+   seqlib's, against the same model in torch from the same weights; then the step's parts
+   against torch's (the embedding, LSTM layers and cross-entropy, which are seqlib's; the head
+   and the Adam update, which are MLX's), to show which of them the whole step's ratio comes from.
 
 Implementations:
 
@@ -512,10 +512,14 @@ class _CharModel(mlx.nn.Module):
         return self.head(output)
 
 
-# The losses a step can take.  "cross-entropy" is the model's; the other two are linear in the logits or in the
-# LSTM's output (fixed weights, _linear_loss_weights), so that a step with one of them, timed as the whole step
-# is, tells by difference what the cross-entropy and the head cost inside the step (training_parts_case).
-CHAR_LOSSES = ("cross-entropy", "linear in the logits", "linear in the LSTM output")
+# The losses a step can take.  "cross-entropy" is the model's (seqlib.functional.cross_entropy); "MLX's
+# cross-entropy" is mlx.nn.losses.cross_entropy, the same loss, which on x86 CPUs computes exp one element at a
+# time; the other two are linear in the logits or in the LSTM's output (fixed weights, _linear_loss_weights), so
+# that a step with one of them, timed as the whole step is, tells by difference what the cross-entropy and the
+# head cost inside the step (training_parts_case).
+CHAR_LOSSES = ("cross-entropy", "MLX's cross-entropy", "linear in the logits", "linear in the LSTM output")
+MLX_CROSS_ENTROPY = CHAR_LOSSES[1]
+MLX_LOSS_STEP = "seqlib (mlx.nn loss)"  # the compiled step with MLX's cross-entropy, as run_cases names it
 
 
 def _linear_loss_weights(hidden_size: int) -> dict[str, np.ndarray]:
@@ -530,6 +534,9 @@ def _char_loss_function(loss: str, hidden_size: int):
     if loss not in CHAR_LOSSES:
         raise ValueError(f"loss: expected one of {CHAR_LOSSES}, got {loss!r}")
     if loss == "cross-entropy":
+        return lambda model, ids, targets: seqlib.functional.cross_entropy(
+            model(ids).reshape(-1, CHAR_VOCAB), targets.reshape(-1))  # fmt: skip
+    if loss == MLX_CROSS_ENTROPY:
         return lambda model, ids, targets: mlx.nn.losses.cross_entropy(model(ids), targets, reduction="mean")
     weights = mx.array(_linear_loss_weights(hidden_size)[loss])
     if loss == "linear in the logits":
@@ -592,7 +599,7 @@ def _torch_training_step(model: _CharModel, loss: str = "cross-entropy", update:
     embedding, recurrent, head = _torch_char_model(model)
     parameters = [*embedding.parameters(), *recurrent.parameters(), *head.parameters()]
     optimizer = torch.optim.Adam(parameters, lr=1e-3)
-    if loss != "cross-entropy":
+    if loss not in ("cross-entropy", MLX_CROSS_ENTROPY):
         weights = torch.from_numpy(_linear_loss_weights(model.head.weight.shape[1])[loss])
 
     def loss_of(ids, targets):
@@ -621,9 +628,9 @@ def _char_batch() -> tuple[np.ndarray, np.ndarray]:
     return ids, rng.integers(0, CHAR_VOCAB, (CHAR_BATCH, CHAR_WINDOW)).astype(np.int32)
 
 
-def _training_implementations(hidden_size: int, loss: str, update: bool, eager: bool) -> dict:
-    """seqlib's step compiled (and eager, where asked) and torch's, from the same weights, as run_cases takes
-    them."""
+def _training_implementations(hidden_size: int, loss: str, update: bool, eager: bool, mlx_loss: bool = False) -> dict:
+    """seqlib's step compiled (and eager, where asked; and compiled with MLX's cross-entropy in place of
+    ``loss``, where asked: MLX_LOSS_STEP) and torch's, from the same weights, as run_cases takes them."""
     ids_np, targets_np = _char_batch()
     ids, targets = mx.array(ids_np), mx.array(targets_np)
     model, compiled = _mlx_training_step(hidden_size, compiled=True, loss=loss, update=update)
@@ -631,6 +638,9 @@ def _training_implementations(hidden_size: int, loss: str, update: bool, eager: 
     if eager:
         eager_step = _mlx_training_step(hidden_size, compiled=False, loss=loss, update=update)[1]
         implementations["seqlib (eager)"] = lambda: eager_step(ids, targets)
+    if mlx_loss:
+        mlx_loss_step = _mlx_training_step(hidden_size, compiled=True, loss=MLX_CROSS_ENTROPY, update=update)[1]
+        implementations[MLX_LOSS_STEP] = lambda: mlx_loss_step(ids, targets)
     if HAVE_TORCH:
         import torch
 
@@ -652,7 +662,8 @@ def training_step_case(hidden_size: int) -> Case:
         CHAR_LAYERS - 1) + 2 * tokens * hidden_size * CHAR_VOCAB  # fmt: skip
     return Case(
         name=f"training step, character model H={hidden_size} (2-layer LSTM, B={CHAR_BATCH}, L={CHAR_WINDOW}, Adam)",
-        implementations=_training_implementations(hidden_size, "cross-entropy", update=True, eager=True),
+        implementations=_training_implementations(hidden_size, "cross-entropy", update=True, eager=True,
+                                                  mlx_loss=True),
         flops=3 * forward,
         check=_relative_loss_error,
         tolerance=1e-4,
@@ -670,7 +681,7 @@ TRAINING_VARIANTS = (("whole step", "cross-entropy", True),
                      ("cross-entropy replaced by a loss linear in the logits", "linear in the logits", True),
                      ("no head: a loss linear in the LSTM output", "linear in the LSTM output", True),
                      ("no head and no Adam update", "linear in the LSTM output", False))  # fmt: skip
-TRAINING_PARTS = ("cross-entropy forward+backward (MLX)", "head (Linear) forward+backward (MLX)",
+TRAINING_PARTS = ("cross-entropy forward+backward (seqlib)", "head (Linear) forward+backward (MLX)",
                   "Adam update (MLX)", "embedding + LSTM layers forward+backward (seqlib)")  # fmt: skip
 
 
@@ -715,8 +726,10 @@ def print_training_steps(widths=TRAINING_WIDTHS, repeats: int = 21, machine=None
         rows += case_rows
         times = {row["implementation"]: row["median_ms"] for row in case_rows}
         if "torch" in times:
+            with_mlx_loss = times[MLX_LOSS_STEP]
             print(f"  H={hidden_size}: seqlib compiled / torch x{times['seqlib (compiled)'] / times['torch']:.2f}, "
-                  f"eager / torch x{times['seqlib (eager)'] / times['torch']:.2f}")  # fmt: skip
+                  f"eager / torch x{times['seqlib (eager)'] / times['torch']:.2f}, compiled with MLX's "
+                  f"cross-entropy / torch x{with_mlx_loss / times['torch']:.2f}")  # fmt: skip
         variants = training_parts_case(hidden_size)
         check_training_variants(variants)
         part_rows = run_cases([variants], repeats=repeats, warmup=2, show=False)

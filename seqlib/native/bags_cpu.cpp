@@ -472,7 +472,7 @@ std::vector<mx::array> take_rows_vjp(const Bag&, const std::vector<mx::array>& p
 }
 
 // TakeRows' output, (*, D), for a table (V, D) and indices (*) of any shape (mx.compile(shapeless=True)).
-std::vector<mx::Shape> gathered_shape(const std::vector<mx::array>& inputs) {
+std::vector<mx::Shape> gathered_shape(const std::vector<mx::array>& inputs, const std::vector<mx::Shape>& = {}) {
   mx::Shape shape = inputs[1].shape();
   shape.push_back(inputs[0].shape(1));
   return {shape};

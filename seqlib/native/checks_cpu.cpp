@@ -135,7 +135,9 @@ void check_integer(const mx::array& array, const char* name) {
 }
 
 // CheckedIndices' output has its input's shape, whatever that is (mx.compile(shapeless=True)).
-std::vector<mx::Shape> same_shape(const std::vector<mx::array>& inputs) { return {inputs[0].shape()}; }
+std::vector<mx::Shape> same_shape(const std::vector<mx::array>& inputs, const std::vector<mx::Shape>&) {
+  return {inputs[0].shape()};
+}
 
 mx::array checked_indices(const mx::array& indices, int64_t upper, std::string name, std::string what) {
   check_integer(indices, "indices");

@@ -61,8 +61,10 @@ class CpuLoop : public mx::Primitive {
                                          const std::vector<mx::array>& cotangents, const std::vector<int>& argnums,
                                          const std::vector<mx::array>& outputs);
   // The outputs' shapes for inputs of other shapes (mx.compile(shapeless=True)), for a loop whose outputs
-  // follow its inputs' shapes alone; nullptr: the loop is fixed by what it was built for.
-  using ShapeRule = std::vector<mx::Shape> (*)(const std::vector<mx::array>& inputs);
+  // follow its inputs' shapes alone, given also the shapes it was built for (a rule may refuse a change, with
+  // an std::invalid_argument); nullptr: the loop is fixed by what it was built for.
+  using ShapeRule = std::vector<mx::Shape> (*)(const std::vector<mx::array>& inputs,
+                                               const std::vector<mx::Shape>& built_for);
 
   CpuLoop(mx::Stream stream, const char* name, Runner runner, Params params, std::vector<mx::Shape> shapes,
           std::vector<mx::Dtype> dtypes, std::vector<mx::Shape> input_shapes, Vjp vjp = nullptr,
@@ -151,7 +153,7 @@ class CpuLoop : public mx::Primitive {
     bool same = inputs.size() == input_shapes_.size();
     for (size_t i = 0; same && i < inputs.size(); ++i) same = inputs[i].shape() == input_shapes_[i];
     if (same) return shapes_;
-    if (shape_rule_ != nullptr) return shape_rule_(inputs);
+    if (shape_rule_ != nullptr) return shape_rule_(inputs, input_shapes_);
     throw std::invalid_argument(std::string(name_) + ": its loop was built for its inputs' shapes (the steps or bags "
                                 "are fixed when it is made), so mx.compile(..., shapeless=True) cannot change them; "
                                 "compile without shapeless=True");
@@ -430,5 +432,6 @@ void register_recurrent(nanobind::module_& m);
 void register_bags(nanobind::module_& m);
 void register_checks(nanobind::module_& m);
 void register_rows(nanobind::module_& m);
+void register_losses(nanobind::module_& m);
 
 }  // namespace seqlib_cpu

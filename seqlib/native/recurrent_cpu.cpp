@@ -2632,7 +2632,7 @@ struct Swap {
 };
 
 // (A, B, *) -> (B, A, *) for any number of trailing axes (mx.compile(shapeless=True)).
-std::vector<mx::Shape> swapped_shape(const std::vector<mx::array>& inputs) {
+std::vector<mx::Shape> swapped_shape(const std::vector<mx::array>& inputs, const std::vector<mx::Shape>& = {}) {
   mx::Shape shape = inputs[0].shape();
   std::swap(shape[0], shape[1]);
   return {shape};
