@@ -97,11 +97,11 @@ def _row_targets(target: mx.array, classes: int, ignore_index: int, path: str) -
     flat = target.reshape(-1)
     if flat.dtype not in (mx.int32, mx.int64) or not -(2**31) <= ignore_index < 2**31:
         flat = flat.astype(mx.int64)  # compared with ignore_index exactly (not wrapped into a narrow dtype)
-    ignored = flat == ignore_index
     if values is not None:
         values = values.reshape(-1).astype(np.int64)
         check_index_range(values[values != ignore_index], classes, "target", "classes")
         return mx.array(np.where(values == ignore_index, classes, values).astype(np.int32))
+    ignored = flat == ignore_index
     checks = native.module() if path != "plain" and mx.default_device() == mx.cpu else None
     if checks is not None:
         checked = checks.checked_indices(mx.where(ignored, 0, flat), classes, "target", "classes")
