@@ -21,14 +21,16 @@ gradient come from one C++ primitive with a vectorised ``exp`` (``seqlib/native/
 everywhere else (the GPU, other dtypes, ``"plain"`` for ``mx.export_function``) from MLX's ops.
 The rest is MLX ops on (N,) arrays.
 
-Under ``mx.compile(shapeless=True)`` the number of rows may change from call to call; the number of
-classes is the traced graph's (the native path refuses another with a ValueError; elsewhere, as any
+Under ``mx.compile(shapeless=True)`` the number of rows may change from call to call (the loss, its
+mean and its gradient follow them); the number of classes is the traced graph's (the native path
+refuses another with a ValueError, as it does targets that no longer match the rows; elsewhere, as any
 shape read in Python under ``shapeless=True``, it must not change).
 """
 
 from __future__ import annotations
 
 import math
+import numbers
 
 import mlx.core as mx
 import numpy as np
@@ -56,11 +58,11 @@ def _check_arguments(input, target, weight, ignore_index, reduction, label_smoot
     if weight is not None and not (isinstance(weight, mx.array) and mx.issubdtype(weight.dtype, mx.floating)
                                    and weight.shape == (_classes(input),)):  # fmt: skip
         raise ValueError(f"weight: expected a floating array of shape ({_classes(input)},), got {_described(weight)}")
-    if not isinstance(ignore_index, int) or isinstance(ignore_index, bool):
+    if not isinstance(ignore_index, numbers.Integral) or isinstance(ignore_index, bool):
         raise TypeError(f"ignore_index: expected an int, got {type(ignore_index).__name__} {ignore_index!r}")
     if reduction not in REDUCTIONS:
         raise ValueError(f"reduction: expected one of {REDUCTIONS}, got {reduction!r}")
-    if not isinstance(label_smoothing, (int, float)) or isinstance(label_smoothing, bool) or not (
+    if not isinstance(label_smoothing, numbers.Real) or isinstance(label_smoothing, bool) or not (
             0.0 <= label_smoothing <= 1.0):  # fmt: skip
         raise ValueError(f"label_smoothing: expected a number in [0.0, 1.0], got {label_smoothing!r}")
 
@@ -110,25 +112,27 @@ def _row_targets(target: mx.array, classes: int, ignore_index: int, path: str) -
     return mx.where(ignored, classes, mx.where(inside, flat, -1)).astype(mx.int32)
 
 
-def _nll_and_logsumexp(logits: mx.array, targets: mx.array, path: str) -> tuple[mx.array, mx.array]:
-    """Each row's negative log-likelihood (0 for an ignored row, target C; NaN for target -1) and log-sum-exp:
-    logits (N, C), targets (N,) int32 -> (N,), (N,)."""
-    if path == "native" and logits.shape[1] < 2**31 - 1:
+def _nll_and_logsumexp(logits: mx.array, targets: mx.array | None, path: str) -> tuple[mx.array, mx.array]:
+    """Each row's negative log-likelihood (0 for an ignored row, target C, and for every row without targets;
+    NaN for target -1) and log-sum-exp: logits (N, C), targets (N,) int32 or None -> (N,), (N,)."""
+    rows, classes = logits.shape
+    if rows == 0 or classes == 0:  # MLX's max refuses an empty axis; no classes: every target ignored, as torch's 0
+        return mx.zeros((rows,), logits.dtype), mx.zeros((rows,), logits.dtype)
+    if path == "native" and classes < 2**31 - 1:
         return tuple(native.extension().softmax_cross_entropy(logits, targets))
-    classes = logits.shape[1]
-    if logits.shape[0] == 0:  # no rows (MLX's max refuses an empty array)
-        return mx.zeros((0,), logits.dtype), mx.zeros((0,), logits.dtype)
     # max + log sum exp(x - max), as torch's log_softmax: NaN for a row with +inf (mx.logsumexp gives inf)
     most = mx.stop_gradient(logits.max(axis=-1, keepdims=True))  # its own gradient cancels: none taken
     logsumexp = (most + mx.log(mx.exp(logits - most).sum(axis=-1, keepdims=True)))[:, 0]
+    if targets is None:
+        return mx.zeros_like(logsumexp), logsumexp
     picked = mx.take_along_axis(logits, mx.clip(targets, 0, max(classes - 1, 0))[:, None], axis=-1)[:, 0]
     nll = mx.where(targets == classes, 0.0, mx.where(targets < 0, math.nan, logsumexp - picked))
     return nll.astype(logits.dtype), logsumexp
 
 
 def _reduced(losses: mx.array, reduction: str, denominator: mx.array | float, shape) -> mx.array:
-    if reduction == "none":
-        return losses.reshape(shape)
+    if reduction == "none":  # (N,) as it is: a shapeless compile may change N
+        return losses if len(shape) == 1 else losses.reshape(shape)
     total = losses.sum()
     if reduction == "sum":
         return total
@@ -147,6 +151,7 @@ def cross_entropy(input: mx.array, target: mx.array, weight: mx.array | None = N
     target's shape without the class axis), "mean" or "sum" (scalars); label_smoothing: in [0, 1].
     """
     _check_arguments(input, target, weight, ignore_index, reduction, label_smoothing)
+    ignore_index, label_smoothing = int(ignore_index), float(label_smoothing)  # NumPy scalars as Python numbers
     classes, path = _classes(input), path_for(input.dtype)
     logits = _rows(input)  # (N, C)
     if mx.issubdtype(target.dtype, mx.floating):
@@ -185,7 +190,7 @@ def _probability_cross_entropy(input, target, logits, weight, reduction, label_s
         probabilities = probabilities * (1 - label_smoothing) + label_smoothing / classes
     if weight is not None:
         probabilities = probabilities * weight
-    none_picked = mx.full((logits.shape[0],), classes, mx.int32)  # every row's nll is 0: only the log-sum-exps
-    logsumexp = _nll_and_logsumexp(logits, none_picked, path)[1]
+    logsumexp = _nll_and_logsumexp(logits, None, path)[1]  # no targets: the log-sum-exps alone
     losses = logsumexp * probabilities.sum(axis=-1) - (probabilities * logits).sum(axis=-1)
-    return _reduced(losses, reduction, logits.shape[0], _batch_shape(input))
+    rows = mx.ones_like(losses).sum()  # counted in the graph: a shapeless compile may change them
+    return _reduced(losses, reduction, rows, _batch_shape(input))

@@ -212,9 +212,9 @@ def test_half_precision_logits_match_float32(dtype):
     np.testing.assert_allclose(np.array(out.astype(mx.float32)), np.array(want), rtol=2e-2, atol=2e-2)
 
 
-def test_a_compiled_training_step_vmap_and_shapeless_compile():
-    """Inside the transformations MLX programs use: a compiled Adam step whose loss falls, mx.vmap over a batch
-    of problems, and mx.compile(shapeless=True) across numbers of rows."""
+def test_a_compiled_training_step_and_vmap():
+    """Inside the transformations MLX programs use: a compiled Adam step whose loss falls, and mx.vmap over a
+    batch of problems."""
     mx.random.seed(0)
     model = mlx.nn.Linear(8, 5)
     optimizer = mlx.optimizers.Adam(learning_rate=0.05)
@@ -237,14 +237,38 @@ def test_a_compiled_training_step_vmap_and_shapeless_compile():
     want = mx.stack([F.cross_entropy(logits[i], targets[i]) for i in range(3)])
     np.testing.assert_allclose(np.array(mapped), np.array(want), rtol=1e-6)
 
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("targets", ["indices", "probabilities"])
+@pytest.mark.parametrize("reduction", ["none", "mean"])
+def test_shapeless_compile_follows_the_rows_in_the_loss_and_its_gradient(backend, targets, reduction):
+    def loss(a, b):
+        return F.cross_entropy(a, b, reduction=reduction)
+
+    with kernels.use_backend(backend):
+        value = mx.compile(loss, shapeless=True)
+        gradient = mx.compile(mx.grad(lambda a, b: (loss(a, b) * 1.5).sum()), shapeless=True)
+        for rows in (4, 9, 2, 40):
+            a = mx.random.normal((rows, 6), key=mx.random.key(rows))
+            b = (mx.random.randint(0, 6, (rows,), key=mx.random.key(100 + rows)) if targets == "indices"
+                 else mx.softmax(mx.random.normal((rows, 6), key=mx.random.key(100 + rows)), axis=-1))  # fmt: skip
+            np.testing.assert_allclose(np.array(value(a, b)), np.array(loss(a, b)), rtol=1e-6, atol=1e-7)
+            want = mx.grad(lambda a, b=b: (loss(a, b) * 1.5).sum())(a)
+            np.testing.assert_allclose(np.array(gradient(a, b)), np.array(want), rtol=1e-6, atol=1e-8)
+
+
+def test_shapeless_compile_refuses_other_classes_and_rows_without_targets():
+    """The classes are the traced graph's, and every row needs its target: the native path refuses either
+    change with a ValueError at the call, instead of reading a wrong class or past the targets."""
+    if not native.available():
+        pytest.skip(f"seqlib's C++ primitives are not available: {native.reason()}")
     shapeless = mx.compile(lambda a, b: F.cross_entropy(a, b, reduction="none"), shapeless=True)
-    for rows in (4, 9, 2):
-        a, b = mx.random.normal((rows, 6)), mx.random.randint(0, 6, (rows,))
-        np.testing.assert_allclose(np.array(shapeless(a, b)), np.array(F.cross_entropy(a, b, reduction="none")),
-                                   rtol=1e-6)  # fmt: skip
-    if native.available():  # the classes are the traced graph's: another number of them is refused, not misread
-        with pytest.raises(ValueError, match="number of classes changed from 6 to 11"):
-            shapeless(mx.random.normal((9, 11)), mx.random.randint(0, 11, (9,)))
+    shapeless(mx.zeros((3, 6)), mx.array([0, 1, 2]))
+    with pytest.raises(ValueError, match="number of classes changed from 6 to 11"):
+        shapeless(mx.random.normal((9, 11)), mx.random.randint(0, 11, (9,)))
+    with pytest.raises(ValueError, match=r"one target .* per row of the logits, 40 rows, got an input of 2 values"):
+        shapeless(mx.zeros((40, 6)), mx.array([0, 1]))
 
 
 def test_exported_function_runs_without_seqlib(tmp_path):
@@ -270,3 +294,49 @@ def test_softmax_and_logsumexp_are_within_a_few_ulp_of_float64(backend):
     np.testing.assert_allclose(losses, np.log1p(np.exp(exact)), rtol=1e-6, atol=1.2e-7)  # log of a sum near 1
     np.testing.assert_allclose(np.array(grad)[:, 1], 1 / (1 + np.exp(-exact)), rtol=rtol, atol=2e-38)
     np.testing.assert_allclose(np.array(grad)[:, 0], -np.exp(exact) / (1 + np.exp(exact)), atol=1.2e-7)  # softmax - 1
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_batch_large_enough_for_threads_with_every_option_matches_torch(backend):
+    """4,096 x 97 logits (the native loops split rows over threads from 65,536 floats) with class weights,
+    ignored rows and label smoothing."""
+    rng = np.random.default_rng(3)
+    logits = (rng.standard_normal((4096, 97)) * 3).astype(np.float32)
+    target = rng.integers(0, 97, 4096)
+    target[::7] = 5
+    weight = rng.uniform(0.1, 2.0, 97).astype(np.float32)
+    options = {"ignore_index": 5, "reduction": "mean", "label_smoothing": 0.1}
+    with kernels.use_backend(backend):
+        out, grad = _our_loss(logits, target, weight, options, mx.int64)
+    want_out, want_grad = _torch_loss(logits, target, weight, options)
+    assert_close(out, want_out, rtol=1e-5, atol=1e-6)
+    assert_close(grad, want_grad, rtol=1e-4, atol=1e-9)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_no_classes_match_torch(backend):
+    """C = 0: probabilities over no classes give 0 per row, as torch's -0.0."""
+    with kernels.use_backend(backend):
+        out = F.cross_entropy(mx.zeros((3, 0)), mx.zeros((3, 0)), reduction="none")
+    want = torch.nn.functional.cross_entropy(torch.zeros(3, 0), torch.zeros(3, 0), reduction="none")
+    np.testing.assert_array_equal(np.array(out), want.numpy())
+
+
+def test_numpy_scalars_are_taken_as_torch_takes_them():
+    logits, target = mx.random.normal((4, 3), key=mx.random.key(4)), mx.array([0, 1, 2, 1])
+    want = F.cross_entropy(logits, target, ignore_index=1, label_smoothing=0.25)
+    got = F.cross_entropy(logits, target, ignore_index=np.int64(1), label_smoothing=np.float32(0.25))
+    assert got.item() == want.item()
+
+
+def test_the_primitive_gives_nan_rows_for_a_target_outside_the_classes():
+    """seqlib.losses checks targets before they reach the primitive; called directly with one outside [0, C]
+    (C: ignored), its row's loss and gradient are NaN and nothing is read outside the row."""
+    if not native.available():
+        pytest.skip(f"seqlib's C++ primitives are not available: {native.reason()}")
+    primitive = native.extension().softmax_cross_entropy
+    logits, targets = mx.random.normal((3, 20), key=mx.random.key(5)), mx.array([1, 21, 20], mx.int32)
+    nll = primitive(logits, targets)[0]
+    grad = np.array(mx.grad(lambda a: primitive(a, targets)[0].sum())(logits))
+    assert np.isnan(np.array(nll)[1]) and np.isfinite(np.array(nll)[[0, 2]]).all() and np.array(nll)[2] == 0
+    assert np.isnan(grad[1]).all() and np.isfinite(grad[0]).all() and (grad[2] == 0).all()  # row 2: ignored

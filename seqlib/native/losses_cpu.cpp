@@ -7,10 +7,10 @@
 // step of chapter 13's character model at H = 128 (logits 2,048 x 97).  Here exp is a polynomial on the
 // build's widest vectors and each row is read in cache:
 //
-//   SoftmaxCrossEntropy          logits (N, C), targets (N,) int32 -> nll (N,), lse (N,)
+//   SoftmaxCrossEntropy          logits (N, C), targets (N,) int32 or none -> nll (N,), lse (N,)
 //       lse[i] = log sum_c exp(logits[i, c]), as max + log sum exp(logits - max);
 //       nll[i] = lse[i] - logits[i, targets[i]] for a target in [0, C); 0 for the target C (an ignored
-//       row: seqlib.losses maps ignore_index there); NaN for any other (never read)
+//       row: seqlib.losses maps ignore_index there; every row without targets); NaN for any other (never read)
 //   SoftmaxCrossEntropyBackward  d_logits[i, c] = (d_nll[i] + d_lse[i]) softmax[i, c] - d_nll[i] [c == targets[i]]
 //       with softmax[i, c] = exp(logits[i, c] - lse[i]) computed again (lse saved by the forward)
 //
@@ -29,11 +29,13 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <optional>
 #include <stdexcept>
 #include <string>
 #include <vector>
 
 #include <nanobind/nanobind.h>
+#include <nanobind/stl/optional.h>
 #include <nanobind/stl/vector.h>
 
 #include "cpu_loop.h"
@@ -129,9 +131,9 @@ float row_logsumexp(const float* row, int count) {
 
 // d_row[c] = scale exp(row[c] - shift) for the count floats of a row.
 void scaled_exps(float* d_row, const float* row, int count, float scale, float shift) {
-  if (count < kLanes) {
-    float padded[kLanes] = {}, out[kLanes];
-    std::copy(row, row + count, padded);
+  if (count < kLanes) {  // padded with -inf (exp 0), as the forward: every lane's argument is at most 0
+    float padded[kLanes], out[kLanes];
+    std::fill(std::copy(row, row + count, padded), padded + kLanes, -std::numeric_limits<float>::infinity());
     scaled_exps(out, padded, kLanes, scale, shift);
     std::copy(out, out + count, d_row);
     return;
@@ -149,10 +151,10 @@ struct NoParams {
   bool operator==(const NoParams&) const = default;
 };
 
-// ins: logits (N, C), targets (N,) int32; outs: nll (N,), lse (N,)
+// ins: logits (N, C) [, targets (N,) int32: without them every row is ignored]; outs: nll (N,), lse (N,)
 void cross_entropy_forward(std::vector<mx::array>& ins, std::vector<mx::array>& outs, const NoParams&) {
   const float* logits = ins[0].data<float>();
-  const int32_t* targets = ins[1].data<int32_t>();
+  const int32_t* targets = ins.size() > 1 ? ins[1].data<int32_t>() : nullptr;
   float* nll = outs[0].data<float>();
   float* lse = outs[1].data<float>();
   const int64_t rows = ins[0].shape(0), count = ins[0].shape(1);
@@ -160,7 +162,7 @@ void cross_entropy_forward(std::vector<mx::array>& ins, std::vector<mx::array>& 
     for (int64_t i = begin; i < end; ++i) {
       const float* row = logits + i * count;
       lse[i] = row_logsumexp(row, static_cast<int>(count));
-      const int32_t target = targets[i];
+      const int32_t target = targets != nullptr ? targets[i] : static_cast<int32_t>(count);
       nll[i] = target >= 0 && target < count ? lse[i] - row[target]
                : target == count             ? 0.0f
                                              : std::numeric_limits<float>::quiet_NaN();
@@ -168,18 +170,18 @@ void cross_entropy_forward(std::vector<mx::array>& ins, std::vector<mx::array>& 
   });
 }
 
-// ins: d_nll (N,), d_lse (N,), logits (N, C), targets (N,) int32, lse (N,); outs: d_logits (N, C)
+// ins: d_nll (N,), d_lse (N,), logits (N, C), lse (N,) [, targets (N,) int32]; outs: d_logits (N, C)
 void cross_entropy_backward(std::vector<mx::array>& ins, std::vector<mx::array>& outs, const NoParams&) {
   const float *d_nll = ins[0].data<float>(), *d_lse = ins[1].data<float>(), *logits = ins[2].data<float>();
-  const int32_t* targets = ins[3].data<int32_t>();
-  const float* lse = ins[4].data<float>();
+  const float* lse = ins[3].data<float>();
+  const int32_t* targets = ins.size() > 4 ? ins[4].data<int32_t>() : nullptr;
   float* d_logits = outs[0].data<float>();
   const int64_t rows = ins[2].shape(0), count = ins[2].shape(1);
   seqlib_cpu::parallel_for(rows, rows * count, [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) {
       const float* row = logits + i * count;
       float* d_row = d_logits + i * count;
-      const int32_t target = targets[i];
+      const int32_t target = targets != nullptr ? targets[i] : static_cast<int32_t>(count);
       const bool picked = target >= 0 && target < count;
       const float d_target = picked ? d_nll[i] : 0.0f;  // an ignored row's nll is 0: no gradient through it
       const float scale = d_target + d_lse[i], shift = lse[i];
@@ -190,25 +192,51 @@ void cross_entropy_backward(std::vector<mx::array>& ins, std::vector<mx::array>&
   });
 }
 
-void check_logits(const mx::array& logits, const mx::array& targets) {
-  if (logits.ndim() != 2 || logits.dtype() != mx::float32 || targets.ndim() != 1 || targets.dtype() != mx::int32 ||
-      targets.shape(0) != logits.shape(0) || logits.shape(1) >= std::numeric_limits<int32_t>::max()) {
-    throw std::invalid_argument("softmax_cross_entropy: expected logits (N, C) float32 and targets (N,) int32");
+// Every input but the logits (N, C), at `logits`, holds one value per row; and the number of classes is the one
+// the loop was built for (empty: not built yet).  An std::invalid_argument (a ValueError) otherwise: a shapeless
+// compile that changed one shape and not another, or the classes, which seqlib.losses traced as a constant.
+void check_rows(const std::vector<mx::array>& inputs, size_t logits, const std::vector<mx::Shape>& built_for) {
+  const mx::array& x = inputs[logits];
+  if (!built_for.empty() && x.shape(1) != built_for[logits][1]) {
+    throw std::invalid_argument("cross_entropy: the number of classes changed from " +
+                                std::to_string(built_for[logits][1]) + " to " + std::to_string(x.shape(1)) +
+                                " under mx.compile(shapeless=True), which keeps the traced one; compile once per "
+                                "number of classes");
+  }
+  for (size_t k = 0; k < inputs.size(); ++k) {
+    if (k != logits && inputs[k].shape() != mx::Shape{x.shape(0)}) {
+      throw std::invalid_argument("cross_entropy: expected one target (and one value) per row of the logits, " +
+                                  std::to_string(x.shape(0)) + " rows, got an input of " +
+                                  std::to_string(inputs[k].size()) + " values");
+    }
   }
 }
 
+// nll and lse, (N,) each, for logits (N, C) of any N (mx.compile(shapeless=True)); see check_rows.
+std::vector<mx::Shape> row_shapes(const std::vector<mx::array>& inputs, const std::vector<mx::Shape>& built_for) {
+  check_rows(inputs, 0, built_for);
+  return {{inputs[0].shape(0)}, {inputs[0].shape(0)}};
+}
+
+// d_logits (N, C) for logits (N, C) of any N; see check_rows.
+std::vector<mx::Shape> logits_shape(const std::vector<mx::array>& inputs, const std::vector<mx::Shape>& built_for) {
+  check_rows(inputs, 2, built_for);
+  return {inputs[2].shape()};
+}
+
 // nll and lse's vector-Jacobian product: the backward loop (targets, integers, have none: zeros where asked).
-// primals: logits, targets; cotangents: d_nll, d_lse; outputs: nll, lse
+// primals: logits [, targets]; cotangents: d_nll, d_lse; outputs: nll, lse
 std::vector<mx::array> cross_entropy_vjp(const NoParams& params, const std::vector<mx::array>& primals,
                                          const std::vector<mx::array>& cotangents, const std::vector<int>& argnums,
                                          const std::vector<mx::array>& outputs) {
+  std::vector<const mx::array*> inputs = {&cotangents[0], &cotangents[1], &primals[0], &outputs[1]};
+  if (primals.size() > 1) inputs.push_back(&primals[1]);
   std::vector<mx::array> grads;
   for (int argnum : argnums) {
     if (argnum == 0) {
       grads.push_back(seqlib_cpu::make_loop("SoftmaxCrossEntropyBackward", cross_entropy_backward,
-                                            {primals[0].shape()}, {mx::float32},
-                                            {&cotangents[0], &cotangents[1], &primals[0], &primals[1], &outputs[1]},
-                                            params)[0]);
+                                            {primals[0].shape()}, {mx::float32}, inputs, params, nullptr,
+                                            logits_shape)[0]);
     } else {
       grads.push_back(mx::zeros_like(primals[argnum], seqlib_cpu::cpu_stream()));
     }
@@ -216,27 +244,21 @@ std::vector<mx::array> cross_entropy_vjp(const NoParams& params, const std::vect
   return grads;
 }
 
-// nll and lse, (N,) each, for logits (N, C) of any N (mx.compile(shapeless=True)).  Another C is refused: the
-// caller's targets were checked against, and mapped with, the C it was traced with (seqlib.losses).
-std::vector<mx::Shape> row_shapes(const std::vector<mx::array>& inputs, const std::vector<mx::Shape>& built_for) {
-  if (!built_for.empty() && inputs[0].shape(1) != built_for[0][1]) {
-    throw std::invalid_argument("cross_entropy: the number of classes changed from " + std::to_string(built_for[0][1]) +
-                                " to " + std::to_string(inputs[0].shape(1)) + " under mx.compile(shapeless=True), "
-                                "which keeps the traced one; compile once per number of classes");
+std::vector<mx::array> softmax_cross_entropy(const mx::array& logits, const std::optional<mx::array>& targets) {
+  if (logits.ndim() != 2 || logits.dtype() != mx::float32 || logits.shape(1) >= std::numeric_limits<int32_t>::max() ||
+      (targets && (targets->ndim() != 1 || targets->dtype() != mx::int32 || targets->shape(0) != logits.shape(0)))) {
+    throw std::invalid_argument("softmax_cross_entropy: expected logits (N, C) float32 and targets (N,) int32 or None");
   }
-  return {{inputs[0].shape(0)}, {inputs[0].shape(0)}};
-}
-
-std::vector<mx::array> softmax_cross_entropy(const mx::array& logits, const mx::array& targets) {
-  check_logits(logits, targets);
-  return seqlib_cpu::make_loop("SoftmaxCrossEntropy", cross_entropy_forward, row_shapes({logits}, {}),
-                               {mx::float32, mx::float32}, {&logits, &targets},
-                               NoParams{}, cross_entropy_vjp, row_shapes);
+  std::vector<const mx::array*> inputs = {&logits};
+  if (targets) inputs.push_back(&*targets);
+  return seqlib_cpu::make_loop("SoftmaxCrossEntropy", cross_entropy_forward, {{logits.shape(0)}, {logits.shape(0)}},
+                               {mx::float32, mx::float32}, inputs, NoParams{}, cross_entropy_vjp, row_shapes);
 }
 
 }  // namespace
 
 void seqlib_cpu::register_losses(nb::module_& m) {
-  m.def("softmax_cross_entropy", &softmax_cross_entropy, "logits"_a, "targets"_a,
-        "(nll, lse) of each row of logits (N, C) float32 for targets (N,) int32 (C: ignored; outside [0, C]: NaN)");
+  m.def("softmax_cross_entropy", &softmax_cross_entropy, "logits"_a, "targets"_a.none(),
+        "(nll, lse) of each row of logits (N, C) float32 for targets (N,) int32 (C: ignored; outside [0, C]: NaN); "
+        "targets None: every row ignored (the log-sum-exps alone)");
 }
