@@ -26,7 +26,7 @@ import numpy as np
 
 from seqlib import native
 from seqlib.dispatch import path_for
-from seqlib.graph import host_values
+from seqlib.graph import graph_checks, host_values
 from seqlib.kernels import bag_kernels, embedding_kernels
 from seqlib.losses import cross_entropy
 from seqlib._bags import BAG_MODES, bag_bounds, bag_layout, check_bag_mode, flatten_bags
@@ -50,13 +50,6 @@ __all__ = [
     "renorm_for_lookup",
 ]
 
-def _graph_checks(path: str):
-    """seqlib's extension where its checking primitives may run in the graph of a call on ``path`` (not on the
-    plain path, whose graph must hold MLX's own primitives only; on the CPU device), else None."""
-    extension = native.module()
-    return extension if extension is not None and path != "plain" and mx.default_device() == mx.cpu else None
-
-
 def _checked_indices(indices: mx.array, upper: int, path: str, name: str = "input") -> tuple[mx.array, mx.array | None]:
     """``indices`` ready to read a table of ``upper`` rows, never out of bounds, and a mask of the ones
     outside it where only NaN rows can tell (else None).  See the module's docstring."""
@@ -64,7 +57,7 @@ def _checked_indices(indices: mx.array, upper: int, path: str, name: str = "inpu
     if values is not None:
         check_index_range(values, upper, name)
         return indices, None
-    extension = _graph_checks(path)
+    extension = graph_checks(path)
     if extension is not None:
         return extension.checked_indices(indices, upper, name, "num_embeddings"), None
     outside = (indices < 0) | (indices >= upper)
@@ -77,7 +70,7 @@ def _checked_bounds(offsets, input_size: int, include_last_offset: bool, path: s
     values = host_values(offsets)
     if values is not None:
         return mx.array(bag_bounds(values, input_size, include_last_offset).astype(np.int32)), None
-    extension = _graph_checks(path)
+    extension = graph_checks(path)
     if extension is not None:
         return extension.checked_bounds(offsets, input_size, include_last_offset), None
     bounds = offsets.astype(mx.int32)

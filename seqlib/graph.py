@@ -10,7 +10,8 @@ transformation.  Two questions decide it, both answered from the graph without e
 - :func:`is_traced`: does a transformation trace any of these arrays?  (Then a gradient may
   be taken through the result, and nothing about their values is known.)
 - :func:`host_values`: the values of an index array, when they already exist (NumPy, or an
-  evaluated array that nothing traces); else None, and the caller checks in the graph.
+  evaluated array that nothing traces); else None, and the caller checks in the graph, with
+  the extension's checking primitives where :func:`graph_checks` returns it.
 
 Both read MLX's C++ ``array::is_tracer()`` and ``array::is_available()`` through seqlib's
 extension (:func:`seqlib.native.module`, loaded even where ``SEQLIB_NATIVE=0`` turns its
@@ -29,7 +30,7 @@ import numpy as np
 
 from seqlib import native
 
-__all__ = ["host_values", "is_traced"]
+__all__ = ["graph_checks", "host_values", "is_traced"]
 
 
 _compiled_traces = 0
@@ -82,3 +83,11 @@ def host_values(array) -> np.ndarray | None:
     if extension.is_tracer(array) or not extension.is_available(array):
         return None
     return np.asarray(array)
+
+
+def graph_checks(path: str):
+    """seqlib's extension where its checking primitives (``checked_indices``, ``checked_bounds``) may run in
+    the graph of a call on ``path`` (a name from :data:`seqlib.dispatch.PATHS`): on MLX's CPU device and
+    not on the ``"plain"`` path, whose graph must hold MLX's own primitives only; else None."""
+    extension = native.module()
+    return extension if extension is not None and path != "plain" and mx.default_device() == mx.cpu else None

@@ -37,7 +37,7 @@ import numpy as np
 
 from seqlib import native
 from seqlib.dispatch import path_for
-from seqlib.graph import host_values
+from seqlib.graph import graph_checks, host_values
 from seqlib._checks import check_index_range
 
 __all__ = ["REDUCTIONS", "cross_entropy"]
@@ -96,15 +96,15 @@ def _row_targets(target: mx.array, classes: int, ignore_index: int, path: str) -
     there (an IndexError); lazy or traced ones in the graph where seqlib's checks can run (an error where the
     loss is evaluated)."""
     values = host_values(target)
-    flat = target.reshape(-1)
-    if flat.dtype not in (mx.int32, mx.int64) or not -(2**31) <= ignore_index < 2**31:
-        flat = flat.astype(mx.int64)  # compared with ignore_index exactly (not wrapped into a narrow dtype)
     if values is not None:
         values = values.reshape(-1).astype(np.int64)
         check_index_range(values[values != ignore_index], classes, "target", "classes")
         return mx.array(np.where(values == ignore_index, classes, values).astype(np.int32))
+    flat = target.reshape(-1)
+    if flat.dtype not in (mx.int32, mx.int64) or not -(2**31) <= ignore_index < 2**31:
+        flat = flat.astype(mx.int64)  # compared with ignore_index exactly (not wrapped into a narrow dtype)
     ignored = flat == ignore_index
-    checks = native.module() if path != "plain" and mx.default_device() == mx.cpu else None
+    checks = graph_checks(path)
     if checks is not None:
         checked = checks.checked_indices(mx.where(ignored, 0, flat), classes, "target", "classes")
         return mx.where(ignored, classes, checked)
@@ -130,14 +130,15 @@ def _nll_and_logsumexp(logits: mx.array, targets: mx.array | None, path: str) ->
     return nll.astype(logits.dtype), logsumexp
 
 
-def _reduced(losses: mx.array, reduction: str, denominator: mx.array | float, shape) -> mx.array:
+def _reduced(losses: mx.array, reduction: str, denominator: mx.array, shape) -> mx.array:
+    """The (N,) losses reduced: "none" in ``shape``, "sum", or "mean" as their sum over ``denominator``."""
     if reduction == "none":  # (N,) as it is: a shapeless compile may change N
         return losses if len(shape) == 1 else losses.reshape(shape)
     total = losses.sum()
     if reduction == "sum":
         return total
     # nothing counted (all ignored, or no rows): NaN, as in torch, with a zero gradient (not 0 / 0)
-    empty = mx.array(denominator, losses.dtype) == 0
+    empty = denominator == 0
     return total / mx.where(empty, 1, denominator) + mx.where(empty, math.nan, 0).astype(losses.dtype)
 
 
