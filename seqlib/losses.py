@@ -16,9 +16,10 @@ Why seqlib has one: on x86 CPUs MLX evaluates ``exp`` one element at a time (abo
 with MLX 0.32: time ``mx.eval(mx.exp(x))`` for a million-element ``x``), and
 ``mlx.nn.losses.cross_entropy`` takes two such passes over the logits, one for the forward's
 log-sum-exp and one for the backward's softmax.  Where :mod:`seqlib.dispatch` picks the
-``"native"`` path (float32 on MLX's CPU device), the log-sum-exps, the picked logits and the
-gradient come from one C++ primitive with a vectorised ``exp`` (``seqlib/native/losses_cpu.cpp``);
-everywhere else (the GPU, other dtypes, ``"plain"`` for ``mx.export_function``) from MLX's ops.
+``"native"`` path (float32 on MLX's CPU device, on Linux where seqlib's extension is built), the
+log-sum-exps, the picked logits and the gradient come from one C++ primitive with a vectorised
+``exp`` (``seqlib/native/losses_cpu.cpp``); everywhere else (a Mac, the GPU, other dtypes,
+``"plain"`` for ``mx.export_function``) from MLX's ops.
 The rest is MLX ops on (N,) arrays.
 
 Under ``mx.compile(shapeless=True)`` the number of rows may change from call to call (the loss, its
