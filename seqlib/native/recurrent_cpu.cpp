@@ -42,11 +42,13 @@
 #include <chrono>
 #include <cmath>
 #include <cstring>
+#include <iterator>
 #include <memory>
 #include <optional>
 #include <stdexcept>
 #include <string>
 #include <type_traits>
+#include <utility>
 #include <vector>
 
 #include <unistd.h>
@@ -661,6 +663,50 @@ struct Ahead {
   int lines = 0;
 };
 
+// Lines of memory that a packed backward asks for a few at a time between its tiles, so that their latency hides
+// behind the tiles' FMAs (see "Asked for a step ahead" at packed_backward_steps): runs of `count` segments of
+// `bytes` bytes each, `stride` bytes apart, asked into L2, or with `write` into L1 with intent to write.
+class LineRequests {
+ public:
+  void clear() { runs_.clear(), run_ = 0, segment_ = 0, line_ = 0, lines_ = 0; }
+  void add(const void* from, size_t bytes, int count = 1, size_t stride = 0, bool write = false) {
+    if (bytes == 0 || count <= 0) return;
+    runs_.push_back({static_cast<const char*>(from), bytes, stride, count, write});
+    lines_ += static_cast<size_t>(count) * (bytes / 64 + 2);  // at most: a segment may straddle a line more
+  }
+  size_t lines() const { return lines_; }  // an upper bound on the lines added since clear()
+  // Ask for the next `lines` lines (fewer once every line has been asked for).
+  void issue(size_t lines) {
+    while (lines > 0 && run_ < runs_.size()) {
+      const Run& run = runs_[run_];
+      const auto start = reinterpret_cast<uintptr_t>(run.from + segment_ * run.stride);
+      const uintptr_t last = (start + run.bytes - 1) & ~uintptr_t{63};
+      if (line_ == 0) line_ = start & ~uintptr_t{63};
+      for (; line_ <= last && lines > 0; line_ += 64, --lines) {
+        if (run.write) {
+          __builtin_prefetch(reinterpret_cast<const char*>(line_), 1, 3);
+        } else {
+          _mm_prefetch(reinterpret_cast<const char*>(line_), _MM_HINT_T1);
+        }
+      }
+      if (line_ <= last) return;
+      line_ = 0;
+      if (++segment_ == run.count) segment_ = 0, ++run_;
+    }
+  }
+
+ private:
+  struct Run {
+    const char* from;
+    size_t bytes, stride;
+    int count;
+    bool write;
+  };
+  std::vector<Run> runs_;
+  size_t run_ = 0, segment_ = 0, lines_ = 0;
+  uintptr_t line_ = 0;  // the next line of the current segment; 0 before its first
+};
+
 // tile (ROWS, SLOTS kUnits) = a[ROWS rows of stride lda, depth columns] @ block (depth, SLOTS kUnits), or with resume
 // tile += that product: the accumulators start from the tile, so a product taken in chunks of depth adds
 // its products in the same order, and rounds the same, as one taken whole.
@@ -861,6 +907,30 @@ int row_parts(int batch, int hidden, int block_groups) {
   return std::max(1, std::min(seqlib_cpu::thread_budget() / block_groups, batch / kMinRowsPerPart));
 }
 
+// How a packed loop's team shares each step: `groups` groups of threads each take a share of the blocks of units
+// (of columns, in the backward), and the `parts` threads of a group each a share of the rows.
+struct Team {
+  int groups, parts;
+  int threads() const { return groups * parts; }
+};
+
+// The team of a packed loop whose units make unit_blocks blocks of kUnits, at most most_groups groups, all its
+// packed weights weight_bytes.  Where those weights fit in half a core's L2 and the rows make two parts or more, the
+// team splits the rows only: each thread takes all units of the same sequences at every step, whose states depend
+// on nothing the other threads compute, so that the threads never meet inside the loop (a forward's; a backward's
+// d_h; an input-side backward still meets once a step for its weight gradients, which add up every row).  Split by
+// blocks, every thread reads the whole state each step and the team meets once a step.  Each output adds the same
+// products in the same order either way.  One layer, 2-core AVX-512 Xeon (2 MB of L2), (T, B, D, H) = (200, 64,
+// 128, 128), interleaved builds, blocks -> rows, ms: forward GRU 11.2, 10.9 -> 9.3, 8.5, LSTM 14.5, 13.1 -> 12.4,
+// 11.7; forward+backward GRU 40.0, 38.5 -> 35.5, 31.2, LSTM 50.5, 45.2 -> 42.5, 43.1.
+Team team_of(int batch, int hidden, int unit_blocks, int most_groups, int64_t weight_bytes) {
+  const int groups = std::min(team_size(batch, hidden, unit_blocks), most_groups);
+  if (groups > 1 && 2 * weight_bytes <= l2_bytes() && batch >= 2 * kMinRowsPerPart) {
+    return {1, std::min(seqlib_cpu::thread_budget(), batch / kMinRowsPerPart)};
+  }
+  return {groups, row_parts(batch, hidden, groups)};
+}
+
 // h_n (B, H): each sequence's output row at its last step (sequences stop at different steps).
 void final_states(const Loop& loop, const mx::array& output, float* h_n) {
   int batch = 0;  // the first step's rows, the last's in the reverse direction
@@ -932,13 +1002,20 @@ void packed_steps(const Loop& loop, int batch, int hidden, const float* w_hh, co
                   float* h_next, GateMath gate_math, InputSide input = {}) {
   constexpr int width = GATES * kUnits;  // a block's columns: kUnits for each gate
   const int blocks = (hidden + kUnits - 1) / kUnits, depth = input.depth;
-  const int groups = team_size(batch, hidden, blocks), parts = row_parts(batch, hidden, groups);
+  const Team team = team_of(batch, hidden, blocks, blocks, int64_t{4} * (hidden + depth) * GATES * hidden);
+  const int groups = team.groups, parts = team.parts;
   AlignedFloats packed(static_cast<size_t>(blocks) * hidden * width);
   AlignedFloats packed_ih(input.x != nullptr ? static_cast<size_t>(blocks) * depth * width : 0);
-  run_team(groups * parts, [&](int thread, int, StepBarrier& barrier) {
+  run_team(team.threads(), [&](int thread, int, StepBarrier& barrier) {
     const int part = thread % parts;
     const auto [first_block, end_block] = share_of(0, blocks, thread / parts, groups);
-    const auto rows_of = [&](const Step& step) { return share_of(0, step.rows, part, parts); };  // this thread's
+    // this thread's rows of a step: a share of them where the team meets every step; where it never does (one group),
+    // the same sequences at every step (its share of the batch, those of them running), whose states it alone keeps
+    const auto [batch_first, batch_end] = share_of(0, batch, part, parts);
+    const auto rows_of = [&](const Step& step) {
+      return groups > 1 ? share_of(0, step.rows, part, parts)
+                        : std::pair{std::min(batch_first, step.rows), std::min(batch_end, step.rows)};
+    };
     const auto [pack_from, pack_end] = share_of(first_block, end_block, part, parts);  // the group packs its blocks
     pack_gate_blocks(w_hh, hidden, hidden, GATES, pack_from, pack_end, packed.data());
     if (input.x != nullptr) {
@@ -987,7 +1064,7 @@ void packed_steps(const Loop& loop, int batch, int hidden, const float* w_hh, co
                      }, ask_ahead, then, then_floats);
         for (int r = ahead_first + end_row - first_row; r < ahead_end; ++r) ask(r);
       }
-      barrier.wait(thread);
+      if (groups > 1) barrier.wait(thread);  // every thread reads all of h: its rows, its group's rows
       std::swap(current, next);
     }
   });
@@ -1219,9 +1296,11 @@ inline void accumulate_tile_of_rows(int rows, int count, const float* d, int ldd
 
 // sums += d^T[sums' gate rows] @ the sources, transposed: d the step's gradient of the gates (count rows of stride
 // ldd), sources[k] the row (width floats) that d's row k multiplied.  Blocks of kOuterColumns gate columns
-// outermost, so that the block's rows of d stay in L1 while every tile of source columns reads them.
+// outermost, so that the block's rows of d stay in L1 while every tile of source columns reads them.  tick() after
+// each tile.
+template <class Tick>
 inline void accumulate_rows(Transposed& sums, int count, const float* d, int ldd, const float* const* sources,
-                            int width) {
+                            int width, Tick tick) {
   for (int g = sums.first; g < sums.end; g += kOuterColumns) {
     const int gates = std::min(kOuterColumns, sums.end - g);
     float* at = sums.at.data() + (g - sums.first);
@@ -1235,6 +1314,7 @@ inline void accumulate_rows(Transposed& sums, int count, const float* d, int ldd
       } else {
         accumulate_tile_of_rows<kOuterVectors>(tile_rows, count, d + g, ldd, gates, sources, c, tile, sums.stride);
       }
+      tick();
     }
   }
 }
@@ -1250,23 +1330,50 @@ inline void accumulate_sums(int first, int end, int count, const float* d, int l
 }
 
 // One step's weight and bias gradients for the gate rows of d_w_ih and d_w_hh (the same rows, see above), the
-// index-th step computed: the step's rows of x and of the states they started from as the sources.
+// index-th step computed: the step's rows of x and of the states they started from as the sources; tick() after
+// each tile.
+template <class Tick>
 void accumulate_step_gradients(const Loop& loop, const Step& step, size_t index, const InputGradients& in,
-                               Transposed& d_w_ih, Transposed& d_w_hh, std::vector<const float*>& sources) {
+                               Transposed& d_w_ih, Transposed& d_w_hh, std::vector<const float*>& sources, Tick tick) {
   const int first = d_w_ih.first, end = d_w_ih.end;
   if (first >= end) return;
   const int hidden = in.h0->shape(1), gates = in.d_input_side->width();
   const float* d_input = in.d_input_side->rows(step, index);
   const float* d_hidden = in.d_hidden_side->rows(step, index);
   for (int r = 0; r < step.rows; ++r) sources[r] = in.x + (static_cast<size_t>(step.first) + r) * in.depth;
-  accumulate_rows(d_w_ih, step.rows, d_input, gates, sources.data(), in.depth);
+  accumulate_rows(d_w_ih, step.rows, d_input, gates, sources.data(), in.depth, tick);
   const Step* earlier = earlier_step(loop, step);
   for (int r = 0; r < step.rows; ++r) {
     sources[r] = continues(earlier, r) ? row_of(*in.output, earlier->first + r) : row_of(*in.h0, r);
   }
-  accumulate_rows(d_w_hh, step.rows, d_hidden, gates, sources.data(), hidden);
+  accumulate_rows(d_w_hh, step.rows, d_hidden, gates, sources.data(), hidden, tick);
   accumulate_sums(first, end, step.rows, d_input, gates, in.d_bias);
   if (in.d_b_hh != nullptr) accumulate_sums(first, end, step.rows, d_hidden, gates, in.d_b_hh);
+}
+
+// What accumulate_step_gradients reads for gate rows [first_gate, end_gate) of a step, the index-th computed, that a
+// thread of a packed backward may not have in its cache, asked for (LineRequests): the rows of x and of the states
+// they started from, and the gradients of the gates that the other threads of its team wrote (rows outside
+// [first_row, end_row)).
+void ask_gradient_sources(LineRequests& lines, const Loop& loop, const Step& step, size_t index,
+                          const InputGradients& in, int first_gate, int end_gate, int first_row, int end_row) {
+  const int hidden = in.h0->shape(1), width = in.d_input_side->width();
+  lines.add(in.x + static_cast<size_t>(step.first) * in.depth, sizeof(float) * step.rows * in.depth);
+  const Step* earlier = earlier_step(loop, step);
+  const int continuing = earlier != nullptr ? std::min(earlier->rows, step.rows) : 0;
+  if (continuing > 0) lines.add(row_of(*in.output, earlier->first), sizeof(float) * continuing * hidden);
+  if (continuing < step.rows) lines.add(row_of(*in.h0, continuing), sizeof(float) * (step.rows - continuing) * hidden);
+  const auto others = [&](const GateRows& gates, int r0, int r1) {
+    if (r0 < r1) {
+      lines.add(gates.rows(step, index) + static_cast<size_t>(r0) * width + first_gate,
+                sizeof(float) * (end_gate - first_gate), r1 - r0, sizeof(float) * width);
+    }
+  };
+  for (const GateRows* gates : {in.d_input_side, in.d_hidden_side}) {
+    others(*gates, 0, std::min(first_row, step.rows));
+    others(*gates, std::min(end_row, step.rows), step.rows);
+    if (in.d_hidden_side == in.d_input_side) break;  // the LSTM's: one
+  }
 }
 
 // The backward's time loop on packed weights: per step (in reverse) each thread of the team runs
@@ -1276,18 +1383,36 @@ void accumulate_step_gradients(const Loop& loop, const Step& step, size_t index,
 // d_gates' columns, and writes (or, with accumulate, adds) them into d_h's rows.  The next step's gate_backward
 // reads the same thread's columns and rows of d_h (a thread keeps the same rows, the same sequences, at every
 // step), and writes other rows of d_gates than the product still reads: one meeting per step.  As in the
-// forward, rows are shared among threads (row_parts) where the blocks are too few for them.  With input (an input-side
-// forward's backward), each thread then takes its share of the step's d_x rows and of the weight and bias
-// gradients' rows (see "the input side's gradients inside the backward" above).
-template <class GateBackward>
+// forward, the team may split rows (team_of); where it splits rows only, each thread's product reads only the rows
+// of d_gates that it wrote, and without input its threads never meet.  With input (an input-side forward's
+// backward), each thread then takes its share of the step's d_x rows (of its own rows, where the team splits rows
+// only) and of the weight and bias gradients' rows, which read every row of d_gates: the team meets once a step.
+// The GRU's backward loop at (T, B, D, H) = (200, 64, 128, 128) on 2 AVX-512 cores, cycles per thread, blocks ->
+// rows: 62 M -> 52-54 M (gate math 13.5 -> 5.5-6.8, the product 13.3 -> 9-10, the weight gradients 23 -> 26-29:
+// half their rows of d_gates now come from the other core).
+//
+// Asked for a step ahead (with input, where a step's arrays are small: see fuses_input_gradients): after the
+// meeting a thread lists what this step's weight gradients read that its caches may lack (ask_gradient_sources)
+// and what the next step's gate math reads from memory and writes (gate_inputs: the saved activations, the states,
+// the gradient reaching the output; the rows of d_gates, with intent to write), and each tile of the step asks L2
+// for a share of those lines (tick).  The gate math then finds them in cache: in the loop above, per thread, gate
+// math 5.5-6.8 -> 2.1-2.6 M cycles, the loop 51.5-54.5 -> 49.7-50.8 M.  Without input (the larger layers, whose
+// steps took few tiles for many lines) the requests came in bursts and bought nothing: none are made there.
+constexpr size_t kFirstStepTicks = 64;  // the tiles a thread is taken to take per step, before it has counted them
+template <class GateBackward, class GateInputs>
 void packed_backward_steps(const Loop& loop, int batch, int hidden, const float* w_hh, const GateRows& d_gates,
-                           float* d_h, bool accumulate, GateBackward gate_backward,
+                           float* d_h, bool accumulate, GateBackward gate_backward, GateInputs gate_inputs,
                            const InputGradients* input = nullptr) {
   const int depth = d_gates.width(), blocks = (hidden + kTile - 1) / kTile;
-  const int groups = std::min(team_size(batch, hidden, (hidden + kUnits - 1) / kUnits), blocks);
-  const int parts = row_parts(batch, hidden, groups), threads = groups * parts;
-  AlignedFloats packed(static_cast<size_t>(blocks) * depth * kTile);
   const int input_width = input != nullptr ? input->depth : 0, input_blocks = (input_width + kTile - 1) / kTile;
+  const int x_width = input != nullptr && input->d_x != nullptr ? input_width : 0;  // w_ih's columns, packed for d_x
+  const int64_t weight_floats = int64_t{depth} * (hidden + x_width);
+  const Team team = team_of(batch, hidden, (hidden + kUnits - 1) / kUnits, blocks, 4 * weight_floats);
+  const int groups = team.groups, parts = team.parts, threads = team.threads();
+  // where the threads meet after each step's gate math: each reads columns of d_gates that others wrote (the
+  // product, split by blocks), or rows (the weight gradients)
+  const bool meets = groups > 1 || input != nullptr;
+  AlignedFloats packed(static_cast<size_t>(blocks) * depth * kTile);
   AlignedFloats packed_ih(static_cast<size_t>(input_blocks) * depth * kTile);  // w_ih (G H, D) for d_x
   const int gate_vectors = (depth + simd::kLanes - 1) / simd::kLanes;  // of the weight gradients' rows
   run_team(threads, [&](int thread, int, StepBarrier& barrier) {
@@ -1313,10 +1438,21 @@ void packed_backward_steps(const Loop& loop, int batch, int hidden, const float*
     const int64_t weight_bytes = int64_t{4} * (end_block - first_block) * depth * kTile;
     const bool ask_ahead = 2 * weight_bytes > l2_bytes();  // its blocks outgrow L2: see rows_product
     AlignedFloats products(static_cast<size_t>(batch) * kTile);  // a block's products for every row of a step
+    LineRequests coming;  // the next step's inputs of this thread's gate math
+    size_t ticks = 0, step_ticks = kFirstStepTicks;  // tiles taken so far, and in the step before
     for (auto step = loop.steps.rbegin(); step != loop.steps.rend(); ++step) {
       const size_t index = step - loop.steps.rbegin();
       gate_backward(*step, index, first, end, first_row, end_row);
-      barrier.wait(thread);
+      if (meets) barrier.wait(thread);
+      coming.clear();
+      if (input != nullptr) {  // see "asked for a step ahead" above
+        ask_gradient_sources(coming, loop, *step, index, *input, first_gate, end_gate, first_row, end_row);
+        if (std::next(step) != loop.steps.rend()) {
+          gate_inputs(*std::next(step), index + 1, first, end, first_row, end_row, coming);
+        }
+      }
+      const size_t per_tick = coming.lines() / std::max<size_t>(step_ticks, 1) + 1;
+      const auto tick = [&] { barrier.progress(thread), coming.issue(per_tick), ++ticks; };
       const int row = std::min(first_row, step->rows), rows = std::min(end_row, step->rows) - row;
       const float* step_d_gates = d_gates.rows(*step, index);
       for (int i = 0; i < end_block - first_block; ++i) {
@@ -1328,7 +1464,7 @@ void packed_backward_steps(const Loop& loop, int batch, int hidden, const float*
         const float* then = then_block < 0 ? nullptr : packed.data() + static_cast<size_t>(then_block) * depth * kTile;
         rows_product(rows, step_d_gates + static_cast<size_t>(row) * depth, depth, depth, block, products.data(),
                      [&](int first, int count) {
-                       barrier.progress(thread);
+                       tick();
                        for (int i = first; i < first + count; ++i) {
                          float* target = d_h + static_cast<size_t>(row + i) * hidden + column;
                          const float* result = products.data() + static_cast<size_t>(i) * kTile;
@@ -1336,25 +1472,29 @@ void packed_backward_steps(const Loop& loop, int batch, int hidden, const float*
                        }
                      }, ask_ahead, then, std::min(kDepthChunk, depth) * kTile);
       }
-      if (input == nullptr) continue;
-      // d_x's rows of the step, d_input_side @ w_ih: each thread a share of them
-      const std::pair<int, int> x_rows = share_of(0, step->rows, thread, threads);  // not a structured binding:
-      const int first_x_row = x_rows.first, end_x_row = x_rows.second;             // the epilogue captures them
+      if (input == nullptr) {
+        step_ticks = std::exchange(ticks, 0);
+        continue;
+      }
+      // d_x's rows of the step, d_input_side @ w_ih: each thread of a group a share of its part's rows
+      const int part_row = std::min(first_row, step->rows), part_rows = std::min(end_row, step->rows) - part_row;
+      const std::pair<int, int> x_rows = share_of(0, part_rows, group, groups);  // not a structured binding:
+      const int first_x_row = part_row + x_rows.first, end_x_row = part_row + x_rows.second;  // the epilogue takes them
       for (int b = 0; b < input_blocks && input->d_x != nullptr; ++b) {
         const float* block = packed_ih.data() + static_cast<size_t>(b) * depth * kTile;
         const int column = b * kTile, columns = std::min(kTile, input_width - column);
         rows_product(end_x_row - first_x_row,
                      input->d_input_side->rows(*step, index) + static_cast<size_t>(first_x_row) * depth, depth, depth,
                      block, products.data(), [&](int first, int count) {
-                       barrier.progress(thread);
+                       tick();
                        for (int i = first; i < first + count; ++i) {
                          copy_rows(input->d_x + (static_cast<size_t>(step->first) + first_x_row + i) * input_width +
                                    column, products.data() + static_cast<size_t>(i) * kTile, 1, columns);
                        }
                      });
       }
-      accumulate_step_gradients(loop, *step, index, *input, *d_w_ih, *d_w_hh, sources);
-      barrier.progress(thread);
+      accumulate_step_gradients(loop, *step, index, *input, *d_w_ih, *d_w_hh, sources, tick);
+      step_ticks = std::exchange(ticks, 0);
     }
     if (input != nullptr) d_w_ih->write(input_width, input->d_w_ih), d_w_hh->write(hidden, input->d_w_hh);
   });
@@ -1373,6 +1513,63 @@ InputGradients input_gradients(const std::vector<mx::array>& ins, std::vector<mx
                         outs[5].data<float>(), outs[6].data<float>(), outs.size() > 7 ? outs[7].data<float>() : nullptr};
 }
 
+// Rows [r0, r1) of an (N, width) array from packed row `first_row`, its columns [first, end), asked for.
+void ask_rows(LineRequests& lines, const mx::array& a, int first_row, int r0, int r1, int first, int end) {
+  if (r0 < r1) lines.add(row_of(a, first_row + r0) + first, sizeof(float) * (end - first), r1 - r0, 4 * a.shape(1));
+}
+
+// Slot `slot` (or all slots: -1) of units [first, end) of rows [r0, r1) of a step in saved (SavedBlocks), asked for.
+void ask_saved(LineRequests& lines, const float* saved, const SavedBlocks& layout, const Step& step, int slot,
+               int first, int end, int r0, int r1) {
+  if (r0 >= r1) return;
+  const size_t row_bytes = sizeof(float) * layout.slots * layout.units;  // a row's slots of one block
+  for (int j = first; j < end; j += layout.units) {
+    if (slot < 0) {
+      lines.add(saved + layout.at(step, r0, 0, j), row_bytes * (r1 - r0));
+    } else {
+      lines.add(saved + layout.at(step, r0, slot, j), sizeof(float) * layout.units, r1 - r0, row_bytes);
+    }
+  }
+}
+
+// What lstm_gate_backward reads from memory for units [first, end) of rows [first_row, end_row) of a step (its
+// arguments as that function's), asked for: the step's saved slots, the c each row started from, the gradient
+// reaching the output.
+void lstm_gate_inputs(const std::vector<mx::array>& ins, const Step& step, const Step* earlier, int first, int end,
+                      int first_row, int end_row, LineRequests& lines) {
+  const int hidden = ins[4].shape(1), r0 = first_row, r1 = std::min(end_row, step.rows);
+  const int continuing = std::clamp(earlier != nullptr ? earlier->rows : 0, r0, r1);
+  const SavedBlocks layout(hidden, kLstmSlots);
+  ask_saved(lines, ins[1].data<float>(), layout, step, -1, first, end, r0, r1);
+  if (earlier != nullptr) ask_saved(lines, ins[1].data<float>(), layout, *earlier, 4, first, end, r0, continuing);
+  ask_rows(lines, ins[2], 0, continuing, r1, first, end);  // c0's rows, where a row was not in the earlier step
+  ask_rows(lines, ins[3], step.first, r0, r1, first, end);
+}
+
+// The same for gru_gate_backward: the step's saved slots, the states the rows started from, the gradient reaching
+// the output.
+void gru_gate_inputs(const std::vector<mx::array>& ins, const Step& step, const Step* earlier, int first, int end,
+                     int first_row, int end_row, LineRequests& lines) {
+  const int hidden = ins[5].shape(1), r0 = first_row, r1 = std::min(end_row, step.rows);
+  const int continuing = std::clamp(earlier != nullptr ? earlier->rows : 0, r0, r1);
+  ask_saved(lines, ins[1].data<float>(), SavedBlocks(hidden, kGruSlots), step, -1, first, end, r0, r1);
+  if (earlier != nullptr) ask_rows(lines, ins[2], earlier->first, r0, continuing, first, end);
+  ask_rows(lines, ins[3], 0, continuing, r1, first, end);
+  ask_rows(lines, ins[4], step.first, r0, r1, first, end);
+}
+
+// The gradients of the gates (of `count` gates) that a gate backward writes for units [first, end) of rows
+// [first_row, end_row) of the index-th step, asked for with intent to write.
+void ask_gate_rows(LineRequests& lines, const GateRows& gates, int count, const Step& step, size_t index, int first,
+                   int end, int first_row, int end_row) {
+  const int hidden = gates.width() / count, r0 = first_row, r1 = std::min(end_row, step.rows);
+  if (r0 >= r1) return;
+  for (int g = 0; g < count; ++g) {
+    lines.add(gates.rows(step, index) + static_cast<size_t>(r0) * gates.width() + g * hidden + first,
+              sizeof(float) * (end - first), r1 - r0, sizeof(float) * gates.width(), true);
+  }
+}
+
 void lstm_backward_packed(std::vector<mx::array>& ins, std::vector<mx::array>& outs, const Loop& loop) {
   const int batch = ins[4].shape(0), hidden = ins[4].shape(1);
   float* d_h = outs[1].data<float>();  // the gradients flow back in place in d_h0 and d_c0
@@ -1386,6 +1583,11 @@ void lstm_backward_packed(std::vector<mx::array>& ins, std::vector<mx::array>& o
                         [&](const Step& step, size_t index, int first, int end, int first_row, int end_row) {
                           lstm_gate_backward(ins, d_gates.rows(step, index), step, earlier_step(loop, step), d_h, d_c,
                                              first, end, first_row, end_row);
+                        },
+                        [&](const Step& step, size_t index, int first, int end, int first_row, int end_row,
+                            LineRequests& lines) {
+                          lstm_gate_inputs(ins, step, earlier_step(loop, step), first, end, first_row, end_row, lines);
+                          ask_gate_rows(lines, d_gates, 4, step, index, first, end, first_row, end_row);
                         }, input ? &*input : nullptr);
 }
 
@@ -1400,6 +1602,12 @@ void gru_backward_packed(std::vector<mx::array>& ins, std::vector<mx::array>& ou
                         [&](const Step& step, size_t index, int first, int end, int first_row, int end_row) {
                           gru_gate_backward(ins, d_input_side.rows(step, index), d_hidden_side.rows(step, index), step,
                                             earlier_step(loop, step), d_h, first, end, first_row, end_row);
+                        },
+                        [&](const Step& step, size_t index, int first, int end, int first_row, int end_row,
+                            LineRequests& lines) {
+                          gru_gate_inputs(ins, step, earlier_step(loop, step), first, end, first_row, end_row, lines);
+                          ask_gate_rows(lines, d_input_side, 3, step, index, first, end, first_row, end_row);
+                          ask_gate_rows(lines, d_hidden_side, 3, step, index, first, end, first_row, end_row);
                         }, input ? &*input : nullptr);
 }
 
