@@ -146,6 +146,28 @@ def test_the_limit_columns_divide_by_the_machines_roofline(capsys):
     assert machine.limit_seconds(flops=1e6, bytes_moved=3e6) == pytest.approx(3e-3)  # bandwidth-bound
 
 
+def test_a_measured_machines_matmul_is_timed_with_every_repeat_and_sets_the_cases_limit():
+    """A measured machine's product runs once per repeat, interleaved with the case, and the case's limit takes the
+    rate of its fastest run (the machine as it was while the case ran), not the rate measured at the start."""
+    import time
+
+    from seqlib.bench.machine import Machine
+
+    calls = []
+
+    def matmul():  # a 1000^3 product (2 GFLOP) that takes 4 ms: 500 GFLOP/s
+        calls.append(1)
+        time.sleep(0.004)
+
+    machine = Machine(sgemm_flops=1e9, bandwidth=1e12, sgemm_size=1000, copy_bytes=1, threads=1, matmul=matmul)
+    case = Case("probed", {"sleeper": lambda: time.sleep(0.001) or 1.0}, flops=5e9, bytes_moved=1.0)
+    row = run_cases([case], repeats=3, warmup=1, show=False, machine=machine)[0]
+    assert len(calls) == 3
+    assert 2e9 / 0.006 < row["sgemm_GFLOP/s"] * 1e9 <= 2e9 / 0.004  # sleep overshoots by a little
+    assert row["limit_ms"] == pytest.approx(5e9 / (row["sgemm_GFLOP/s"] * 1e9) * 1e3)  # not 5,000 ms at 1 GFLOP/s
+    assert machine.sgemm_flops == 1e9  # the machine itself is unchanged
+
+
 def test_the_training_steps_parts_are_differences_of_its_variants_and_their_losses_match_torch():
     from seqlib.bench import recurrent_suite
 

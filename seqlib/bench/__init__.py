@@ -11,7 +11,8 @@ and whichever implementation came next would share its cores with them.
 Next to each time it prints the napkin math: the bytes a case must move at
 least, and its FLOPs, as achieved GB/s and GFLOP/s; given this machine's own
 limits (:mod:`seqlib.bench.machine`), also the roofline's time for the case
-("limit ms") and each median over it ("x limit").  Every implementation is
+("limit ms") and each median over it ("x limit"), the matmul rate timed again with
+every repeat of the case, interleaved with it.  Every implementation is
 checked against the first one before anything is timed.
 """
 
@@ -127,11 +128,21 @@ def settle(poll: float = 0.01, longest: float = 0.2) -> float:
     return time.perf_counter() - start
 
 
+def _timed(function) -> float:
+    """Seconds of one call of ``function``, once this process's threads are idle (settle)."""
+    settle()
+    start = time.perf_counter()
+    function()
+    return time.perf_counter() - start
+
+
 def run_cases(cases: list[Case], repeats: int = 15, warmup: int = 2, show: bool = True, machine=None) -> list[dict]:
     """Validate, then time every case; print a table per case (unless ``show`` is False) and return its rows.
 
     ``machine`` (a :class:`seqlib.bench.machine.Machine`): add each case's roofline time on it and each
-    median over that time (``limit_ms``, ``vs_limit``; None where the case has no napkin math)."""
+    median over that time (``limit_ms``, ``vs_limit``; None where the case has no napkin math).  Where the machine
+    was measured (its ``matmul``), that product runs once more after each repeat's implementations, and the case's
+    matmul rate (``sgemm_GFLOP/s``) is that of its fastest run: the machine's speed while the case ran."""
     rows = []
     for case in cases:
         names = list(case.implementations)
@@ -146,18 +157,19 @@ def run_cases(cases: list[Case], repeats: int = 15, warmup: int = 2, show: bool 
                     raise AssertionError(f"{case.name}: {name} disagrees with {names[0]} (max error {error:.2e})")
         del reference
         samples = {name: [] for name in names}
+        matmul_times = []  # the machine's product, once per repeat
         for _ in range(warmup):
             for name in names:
                 case.implementations[name]()
         for repeat in range(repeats):
             order = names[repeat % len(names):] + names[: repeat % len(names)]
             for name in order:
-                settle()
-                start = time.perf_counter()
-                case.implementations[name]()
-                samples[name].append(time.perf_counter() - start)
+                samples[name].append(_timed(case.implementations[name]))
+            if machine is not None and machine.matmul is not None:
+                matmul_times.append(_timed(machine.matmul))
         medians = {name: _median_seconds(times) for name, times in samples.items()}
-        limit = machine.limit_seconds(case.flops, case.bytes_moved) if machine else 0.0
+        case_machine = machine.at_matmul_seconds(min(matmul_times)) if matmul_times else machine
+        limit = case_machine.limit_seconds(case.flops, case.bytes_moved) if machine else 0.0
         for name in names:
             rows.append({
                 "case": case.name, "implementation": name, "median_ms": 1e3 * medians[name],
@@ -167,6 +179,7 @@ def run_cases(cases: list[Case], repeats: int = 15, warmup: int = 2, show: bool 
                 "GFLOP/s": case.flops / medians[name] / 1e9 if case.flops else None,
                 "limit_ms": 1e3 * limit if limit else None,
                 "vs_limit": medians[name] / limit if limit else None,
+                "sgemm_GFLOP/s": case_machine.sgemm_flops / 1e9 if machine else None,
             })  # fmt: skip
         if show:
             _print_case(case, rows[-len(names):], limits=machine is not None)
@@ -184,6 +197,8 @@ def _print_case(case: Case, rows: list[dict], limits: bool = False) -> None:
     vs_mlx = f"vs {case.mlx_baseline}"
     vs_width = max(12, len(vs_mlx) + 2)  # the column fits its header, however long the baseline's name
     limit_header = f"{'limit ms':>10}{'x limit':>9}" if limits else ""
+    if limits:
+        print(f"  limit at {rows[0]['sgemm_GFLOP/s']:.0f} GFLOP/s: the fastest of the matmuls timed with this case")
     print(f"  {'implementation':<26}{'median ms':>11}{'vs torch':>10}{vs_mlx:>{vs_width}}{'GB/s':>8}{'GFLOP/s':>9}"
           f"{limit_header}")  # fmt: skip
     for row in rows:

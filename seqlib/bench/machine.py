@@ -13,14 +13,21 @@ numbers here are the machine's roofline, measured rather than taken from a data 
 :meth:`Machine.limit_seconds` is the roofline's time for a workload: the longer of its FLOPs
 over the matmul rate and its bytes over the bandwidth.  The harness prints it beside each case
 (the "limit ms" column) and each implementation's time over it ("x limit").
+
+A shared machine's speed drifts while a suite runs (another tenant's load comes and goes), so a
+rate measured once at the start can flatter or wrong the cases timed minutes later.  A measured
+machine keeps its product (``matmul``); the harness times it again with every repeat of each case,
+interleaved with the implementations, and takes that case's matmul rate from the fastest of those
+runs (:func:`seqlib.bench.run_cases`).  The bandwidth stays the one measured at the start.
 """
 
 from __future__ import annotations
 
 import os
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 
@@ -29,13 +36,19 @@ __all__ = ["Machine", "measure_machine"]
 
 @dataclass(frozen=True)
 class Machine:
-    """A machine's measured matmul rate (FLOP/s) and copy bandwidth (bytes/s)."""
+    """A machine's measured matmul rate (FLOP/s) and copy bandwidth (bytes/s); ``matmul`` runs the measured product
+    once more (None where the rates were given, not measured)."""
 
     sgemm_flops: float
     bandwidth: float
     sgemm_size: int
     copy_bytes: int
     threads: int
+    matmul: Callable[[], None] | None = field(default=None, compare=False, repr=False)
+
+    def at_matmul_seconds(self, seconds: float) -> Machine:
+        """This machine with the matmul rate of one product of ``sgemm_size`` that took ``seconds``."""
+        return replace(self, sgemm_flops=2 * self.sgemm_size**3 / seconds)
 
     def limit_seconds(self, flops: float, bytes_moved: float) -> float:
         """The roofline's time: ``max(flops / sgemm_flops, bytes_moved / bandwidth)``."""
@@ -65,7 +78,10 @@ def measure_machine(sgemm_size: int = 2048, copy_megabytes: int = 256, repeats: 
     a = mx.random.normal((sgemm_size, sgemm_size))
     b = mx.random.normal((sgemm_size, sgemm_size))
     mx.eval(a, b)
-    matmul_seconds = _fastest(lambda: mx.eval(a @ b), repeats)
+    def matmul():
+        mx.eval(a @ b)
+
+    matmul_seconds = _fastest(matmul, repeats)
     source = np.ones(copy_megabytes << 18, dtype=np.float32)  # copy_megabytes MB
     target = np.empty_like(source)
     threads = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
@@ -78,4 +94,4 @@ def measure_machine(sgemm_size: int = 2048, copy_megabytes: int = 256, repeats: 
 
         copy_seconds = _fastest(copy_all, repeats)
     return Machine(sgemm_flops=2 * sgemm_size**3 / matmul_seconds, bandwidth=2 * source.nbytes / copy_seconds,
-                   sgemm_size=sgemm_size, copy_bytes=source.nbytes, threads=threads)  # fmt: skip
+                   sgemm_size=sgemm_size, copy_bytes=source.nbytes, threads=threads, matmul=matmul)  # fmt: skip
