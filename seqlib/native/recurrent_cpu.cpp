@@ -691,7 +691,7 @@ class LineRequests {
       }
       if (line_ <= last) return;
       line_ = 0;
-      if (++segment_ == run.count) segment_ = 0, ++run_;
+      if (++segment_ == static_cast<size_t>(run.count)) segment_ = 0, ++run_;
     }
   }
 
