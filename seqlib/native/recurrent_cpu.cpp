@@ -1404,8 +1404,9 @@ void packed_backward_steps(const Loop& loop, int batch, int hidden, const float*
                            float* d_h, bool accumulate, GateBackward gate_backward, GateInputs gate_inputs,
                            const InputGradients* input = nullptr) {
   const int depth = d_gates.width(), blocks = (hidden + kTile - 1) / kTile;
-  const int input_width = input != nullptr ? input->depth : 0, input_blocks = (input_width + kTile - 1) / kTile;
-  const int x_width = input != nullptr && input->d_x != nullptr ? input_width : 0;  // w_ih's columns, packed for d_x
+  const int input_width = input != nullptr ? input->depth : 0;
+  const int x_width = input != nullptr && input->d_x != nullptr ? input_width : 0;  // d_x's: 0 where not asked for
+  const int x_blocks = (x_width + kTile - 1) / kTile;  // of w_ih's columns, packed for d_x
   const int64_t weight_floats = int64_t{depth} * (hidden + x_width);
   const Team team = team_of(batch, hidden, (hidden + kUnits - 1) / kUnits, blocks, 4 * weight_floats);
   const int groups = team.groups, parts = team.parts, threads = team.threads();
@@ -1413,7 +1414,7 @@ void packed_backward_steps(const Loop& loop, int batch, int hidden, const float*
   // product, split by blocks), or rows (the weight gradients)
   const bool meets = groups > 1 || input != nullptr;
   AlignedFloats packed(static_cast<size_t>(blocks) * depth * kTile);
-  AlignedFloats packed_ih(static_cast<size_t>(input_blocks) * depth * kTile);  // w_ih (G H, D) for d_x
+  AlignedFloats packed_ih(static_cast<size_t>(x_blocks) * depth * kTile);  // w_ih (G H, D) for d_x
   const int gate_vectors = (depth + simd::kLanes - 1) / simd::kLanes;  // of the weight gradients' rows
   run_team(threads, [&](int thread, int, StepBarrier& barrier) {
     const int part = thread % parts, group = thread / parts;
@@ -1422,9 +1423,9 @@ void packed_backward_steps(const Loop& loop, int batch, int hidden, const float*
     const int first = first_block * kTile, end = std::min(hidden, end_block * kTile);
     const auto [pack_from, pack_end] = share_of(first_block, end_block, part, parts);
     pack_column_blocks(w_hh, depth, hidden, pack_from, pack_end, packed.data());
-    if (input != nullptr) {  // d_x's blocks, each thread a share; every thread multiplies by all of them
-      const auto [from, to] = share_of(0, input_blocks, thread, threads);
-      pack_column_blocks(input->w_ih, depth, input_width, from, to, packed_ih.data());
+    if (x_blocks > 0) {  // d_x's blocks, each thread a share; every thread multiplies by all of them
+      const auto [from, to] = share_of(0, x_blocks, thread, threads);
+      pack_column_blocks(input->w_ih, depth, x_width, from, to, packed_ih.data());
     }
     const auto [first_vector, end_vector] = share_of(0, gate_vectors, thread, threads);
     const int first_gate = first_vector * simd::kLanes, end_gate = std::min(depth, end_vector * simd::kLanes);
@@ -1480,15 +1481,15 @@ void packed_backward_steps(const Loop& loop, int batch, int hidden, const float*
       const int part_row = std::min(first_row, step->rows), part_rows = std::min(end_row, step->rows) - part_row;
       const std::pair<int, int> x_rows = share_of(0, part_rows, group, groups);  // not a structured binding:
       const int first_x_row = part_row + x_rows.first, end_x_row = part_row + x_rows.second;  // the epilogue takes them
-      for (int b = 0; b < input_blocks && input->d_x != nullptr; ++b) {
+      for (int b = 0; b < x_blocks; ++b) {
         const float* block = packed_ih.data() + static_cast<size_t>(b) * depth * kTile;
-        const int column = b * kTile, columns = std::min(kTile, input_width - column);
+        const int column = b * kTile, columns = std::min(kTile, x_width - column);
         rows_product(end_x_row - first_x_row,
                      input->d_input_side->rows(*step, index) + static_cast<size_t>(first_x_row) * depth, depth, depth,
                      block, products.data(), [&](int first, int count) {
                        tick();
                        for (int i = first; i < first + count; ++i) {
-                         copy_rows(input->d_x + (static_cast<size_t>(step->first) + first_x_row + i) * input_width +
+                         copy_rows(input->d_x + (static_cast<size_t>(step->first) + first_x_row + i) * x_width +
                                    column, products.data() + static_cast<size_t>(i) * kTile, 1, columns);
                        }
                      });
