@@ -665,13 +665,13 @@ struct Ahead {
 
 // Lines of memory that a packed backward asks for a few at a time between its tiles, so that their latency hides
 // behind the tiles' FMAs (see "Asked for a step ahead" at packed_backward_steps): runs of `count` segments of
-// `bytes` bytes each, `stride` bytes apart, asked into L2, or with `write` into L1 with intent to write.
+// `bytes` bytes each, `stride` bytes apart, asked into L2.
 class LineRequests {
  public:
   void clear() { runs_.clear(), run_ = 0, segment_ = 0, line_ = 0, lines_ = 0; }
-  void add(const void* from, size_t bytes, int count = 1, size_t stride = 0, bool write = false) {
+  void add(const void* from, size_t bytes, int count = 1, size_t stride = 0) {
     if (bytes == 0 || count <= 0) return;
-    runs_.push_back({static_cast<const char*>(from), bytes, stride, count, write});
+    runs_.push_back({static_cast<const char*>(from), bytes, stride, count});
     lines_ += static_cast<size_t>(count) * (bytes / 64 + 2);  // at most: a segment may straddle a line more
   }
   size_t lines() const { return lines_; }  // an upper bound on the lines added since clear()
@@ -683,11 +683,7 @@ class LineRequests {
       const uintptr_t last = (start + run.bytes - 1) & ~uintptr_t{63};
       if (line_ == 0) line_ = start & ~uintptr_t{63};
       for (; line_ <= last && lines > 0; line_ += 64, --lines) {
-        if (run.write) {
-          __builtin_prefetch(reinterpret_cast<const char*>(line_), 1, 3);
-        } else {
-          _mm_prefetch(reinterpret_cast<const char*>(line_), _MM_HINT_T1);
-        }
+        _mm_prefetch(reinterpret_cast<const char*>(line_), _MM_HINT_T1);
       }
       if (line_ <= last) return;
       line_ = 0;
@@ -700,7 +696,6 @@ class LineRequests {
     const char* from;
     size_t bytes, stride;
     int count;
-    bool write;
   };
   std::vector<Run> runs_;
   size_t run_ = 0, segment_ = 0, lines_ = 0;
@@ -1393,11 +1388,15 @@ void ask_gradient_sources(LineRequests& lines, const Loop& loop, const Step& ste
 //
 // Asked for a step ahead (with input, where a step's arrays are small: see fuses_input_gradients): after the
 // meeting a thread lists what this step's weight gradients read that its caches may lack (ask_gradient_sources)
-// and what the next step's gate math reads from memory and writes (gate_inputs: the saved activations, the states,
-// the gradient reaching the output; the rows of d_gates, with intent to write), and each tile of the step asks L2
-// for a share of those lines (tick).  The gate math then finds them in cache: in the loop above, per thread, gate
-// math 5.5-6.8 -> 2.1-2.6 M cycles, the loop 51.5-54.5 -> 49.7-50.8 M.  Without input (the larger layers, whose
-// steps took few tiles for many lines) the requests came in bursts and bought nothing: none are made there.
+// and what the next step's gate math reads from memory (gate_inputs: the saved activations, the states, the gradient
+// reaching the output), and each tile of the step asks L2 for a share of those lines (tick).  The gate math then
+// finds them in cache: in the loop above, per thread, gate math 5.5-6.8 -> 2.1-2.6 M cycles, the loop 51.5-54.5 ->
+// 49.7-50.8 M.  Not asked for: the rows of d_gates that the next step's gate math writes, which sit in L2.  Asked
+// into L1 with intent to write, they took the gate math from 4.8-4.9 to 2.4-2.5 M cycles but the weight gradients,
+// whose tiles they evicted from L1, from 27.0 to 30.3: the GRU's backward loop per thread, medians of 15 calls in
+// alternated processes, 53.2 M without against 54.7 M, its layer's forward+backward 34.3 against 35.2 ms; the LSTM's
+// loop 69.8 against 70.8 M.  Without input (the larger layers, whose steps took few tiles for many lines) the
+// requests came in bursts and bought nothing: none are made there.
 constexpr size_t kFirstStepTicks = 64;  // the tiles a thread is taken to take per step, before it has counted them
 template <class GateBackward, class GateInputs>
 void packed_backward_steps(const Loop& loop, int batch, int hidden, const float* w_hh, const GateRows& d_gates,
@@ -1449,7 +1448,7 @@ void packed_backward_steps(const Loop& loop, int batch, int hidden, const float*
       if (input != nullptr) {  // see "asked for a step ahead" above
         ask_gradient_sources(coming, loop, *step, index, *input, first_gate, end_gate, first_row, end_row);
         if (std::next(step) != loop.steps.rend()) {
-          gate_inputs(*std::next(step), index + 1, first, end, first_row, end_row, coming);
+          gate_inputs(*std::next(step), first, end, first_row, end_row, coming);
         }
       }
       const size_t per_tick = coming.lines() / std::max<size_t>(step_ticks, 1) + 1;
@@ -1559,18 +1558,6 @@ void gru_gate_inputs(const std::vector<mx::array>& ins, const Step& step, const 
   ask_rows(lines, ins[4], step.first, r0, r1, first, end);
 }
 
-// The gradients of the gates (of `count` gates) that a gate backward writes for units [first, end) of rows
-// [first_row, end_row) of the index-th step, asked for with intent to write.
-void ask_gate_rows(LineRequests& lines, const GateRows& gates, int count, const Step& step, size_t index, int first,
-                   int end, int first_row, int end_row) {
-  const int hidden = gates.width() / count, r0 = first_row, r1 = std::min(end_row, step.rows);
-  if (r0 >= r1) return;
-  for (int g = 0; g < count; ++g) {
-    lines.add(gates.rows(step, index) + static_cast<size_t>(r0) * gates.width() + g * hidden + first,
-              sizeof(float) * (end - first), r1 - r0, sizeof(float) * gates.width(), true);
-  }
-}
-
 void lstm_backward_packed(std::vector<mx::array>& ins, std::vector<mx::array>& outs, const Loop& loop) {
   const int batch = ins[4].shape(0), hidden = ins[4].shape(1);
   float* d_h = outs[1].data<float>();  // the gradients flow back in place in d_h0 and d_c0
@@ -1585,10 +1572,8 @@ void lstm_backward_packed(std::vector<mx::array>& ins, std::vector<mx::array>& o
                           lstm_gate_backward(ins, d_gates.rows(step, index), step, earlier_step(loop, step), d_h, d_c,
                                              first, end, first_row, end_row);
                         },
-                        [&](const Step& step, size_t index, int first, int end, int first_row, int end_row,
-                            LineRequests& lines) {
+                        [&](const Step& step, int first, int end, int first_row, int end_row, LineRequests& lines) {
                           lstm_gate_inputs(ins, step, earlier_step(loop, step), first, end, first_row, end_row, lines);
-                          ask_gate_rows(lines, d_gates, 4, step, index, first, end, first_row, end_row);
                         }, input ? &*input : nullptr);
 }
 
@@ -1604,11 +1589,8 @@ void gru_backward_packed(std::vector<mx::array>& ins, std::vector<mx::array>& ou
                           gru_gate_backward(ins, d_input_side.rows(step, index), d_hidden_side.rows(step, index), step,
                                             earlier_step(loop, step), d_h, first, end, first_row, end_row);
                         },
-                        [&](const Step& step, size_t index, int first, int end, int first_row, int end_row,
-                            LineRequests& lines) {
+                        [&](const Step& step, int first, int end, int first_row, int end_row, LineRequests& lines) {
                           gru_gate_inputs(ins, step, earlier_step(loop, step), first, end, first_row, end_row, lines);
-                          ask_gate_rows(lines, d_input_side, 3, step, index, first, end, first_row, end_row);
-                          ask_gate_rows(lines, d_hidden_side, 3, step, index, first, end, first_row, end_row);
                         }, input ? &*input : nullptr);
 }
 
