@@ -75,7 +75,10 @@ from seqlib.pointwise import (
     rnn_step,
 )
 
-__all__ = ["gru_input_sequence", "gru_sequence", "lstm_input_sequence", "lstm_sequence", "rnn_sequence", "time_major"]
+__all__ = [
+    "batch_first", "gru_input_sequence", "gru_sequence", "lstm_input_sequence", "lstm_sequence", "rnn_sequence",
+    "time_major",
+]
 
 
 # ----------------------------------------------------------------- the sequence loop
@@ -476,3 +479,15 @@ def time_major(batch_first: mx.array) -> mx.array:
     if path_for(batch_first.dtype) == "native":
         return native.extension().swap_leading_axes(batch_first)
     return batch_first.swapaxes(0, 1)
+
+
+def batch_first(time_major: mx.array) -> mx.array:
+    """A time-major sequence ``(T, B, *)`` as batch-first ``(B, T, *)``: the view ``time_major.swapaxes(0, 1)``.
+
+    Where :mod:`seqlib.dispatch` picks the C++ primitives, its gradient is a row-contiguous copy of the cotangent
+    swapped back, made on several threads (``SwappedView``'s, by ``SwapLeadingAxes``), where MLX's is a view that a
+    backward loop, which reads whole rows, then has MLX copy on one thread.  Same values either way, bit for bit.
+    """
+    if path_for(time_major.dtype) == "native":
+        return native.extension().swapped_view(time_major)
+    return time_major.swapaxes(0, 1)

@@ -13,6 +13,7 @@ import tempfile
 import textwrap
 
 import mlx.core as mx
+from mlx.utils import tree_flatten
 import numpy as np
 import pytest
 from hypothesis import given, settings
@@ -757,6 +758,71 @@ def test_a_batch_first_input_is_copied_time_major_bit_for_bit(shape, strided, se
         np.testing.assert_array_equal(np.array(mapped), np.swapaxes(np.array(x), 1, 2))
     compiled = mx.compile(lambda x: scan.time_major(x) * 2, shapeless=True)
     np.testing.assert_array_equal(np.array(compiled(x)), want * 2)
+
+
+@linux_only
+@settings(max_examples=30, deadline=None)
+@given(shape=st.lists(st.integers(0, 6), min_size=2, max_size=4), strided=st.booleans(), seed=st.integers(0, 1000))
+def test_a_time_major_output_is_viewed_batch_first_and_its_gradient_copied_bit_for_bit(shape, strided, seed):
+    """scan.batch_first on the native path is the view x.swapaxes(0, 1), of any shape (empty axes too) and of a
+    strided view; its gradient is the cotangent swapped back, copied row-contiguous by SwapLeadingAxes, under mx.grad,
+    mx.vjp, mx.jvp, mx.vmap and mx.compile(shapeless=True) alike."""
+    x = random([2 * shape[0], *shape[1:]], seed)
+    x = x[::2] if strided else x[: shape[0]]
+    want = np.swapaxes(np.array(x), 0, 1)
+    viewed = scan.batch_first(x)
+    assert viewed.shape == want.shape and np.array(viewed).tobytes() == np.ascontiguousarray(want).tobytes()
+    assert np.array(scan.batch_first(x) + 0).tobytes() == np.ascontiguousarray(want).tobytes()  # read by an op
+    cotangent = random(want.shape, seed + 1)
+    swapped_back = np.ascontiguousarray(np.swapaxes(np.array(cotangent), 0, 1))
+    grad = mx.grad(lambda x: (scan.batch_first(x) * cotangent).sum())(x)
+    assert np.array(grad).tobytes() == swapped_back.tobytes()
+    _, (vjp,) = mx.vjp(scan.batch_first, [x], [cotangent])
+    assert np.array(vjp).tobytes() == swapped_back.tobytes()
+    _, (jvp,) = mx.jvp(scan.batch_first, [x], [x * 2])
+    np.testing.assert_array_equal(np.array(jvp), want * 2)
+    if x.ndim > 2:
+        mapped = mx.vmap(scan.batch_first)(x)
+        np.testing.assert_array_equal(np.array(mapped), np.swapaxes(np.array(x), 1, 2))
+        row_cotangent = random((x.shape[2], x.shape[1], *x.shape[3:]), seed + 2)
+        mapped_grad = mx.vmap(mx.grad(lambda row: (scan.batch_first(row) * row_cotangent).sum()))(x)
+        np.testing.assert_array_equal(
+            np.array(mapped_grad), np.broadcast_to(np.swapaxes(np.array(row_cotangent), 0, 1), x.shape)
+        )
+    if x.size > 0:  # an empty one comes back (1, ...) from MLX's own swapaxes too, under a shapeless compile
+        compiled = mx.compile(mx.grad(lambda x: (scan.batch_first(x) * cotangent).sum()), shapeless=True)
+        np.testing.assert_array_equal(np.array(compiled(x)), swapped_back)
+
+
+@linux_only
+def test_a_batch_first_layers_output_gradient_is_copied_on_threads_and_matches_the_time_major_layers():
+    """A batch_first layer's output is scan.batch_first's view: its backward reads the cotangent through
+    SwapLeadingAxes (not MLX's one-thread copy), and every gradient matches the time-major layer's bit for bit."""
+    import seqlib
+
+    layer = seqlib.nn.GRU(8, 16, batch_first=True)
+    x, cotangent = random((3, 40, 8), 1), random((3, 40, 16), 2)
+
+    def loss(parameters, x, batch_first):
+        layer.update(parameters)
+        layer.batch_first = batch_first
+        try:
+            output = layer(x if batch_first else x.swapaxes(0, 1))[0]
+        finally:
+            layer.batch_first = True
+        return (output * (cotangent if batch_first else cotangent.swapaxes(0, 1))).sum()
+
+    grads = [mx.grad(loss, argnums=(0, 1))(layer.trainable_parameters(), x, first) for first in (True, False)]
+    with tempfile.TemporaryDirectory() as folder:  # before anything is evaluated
+        mx.export_to_dot(os.path.join(folder, "backward.dot"), grads[0][1])
+        mx.export_to_dot(os.path.join(folder, "forward.dot"), layer(x)[0])
+        backward, forward = (open(os.path.join(folder, f"{name}.dot")).read() for name in ("backward", "forward"))
+    assert backward.count("SwapLeadingAxes") == 2  # x and the cotangent
+    assert "SwappedView" in forward and "Transpose" not in forward
+    for ours, theirs in zip(*(tree_flatten(grad) for grad in grads), strict=True):
+        assert ours[0] == theirs[0] and np.array(ours[1]).tobytes() == np.array(theirs[1]).tobytes()
+    with pytest.raises(ValueError, match="time_major float32 with at least 2 axes, got \\(3,\\)"):
+        native.extension().swapped_view(mx.zeros((3,)))
 
 
 @linux_only

@@ -136,7 +136,7 @@ class _RNNBase(TorchStateDictMixin, nn.Module):
         if not batched:
             output = output[:, 0]
         elif self.batch_first:
-            output = output.swapaxes(0, 1)
+            output = scan.batch_first(output)
         return output, final
 
     def step(self, input: mx.array, hx=None):
