@@ -2921,8 +2921,9 @@ class SwappedView : public mx::UnaryPrimitive {
 // time_major (T, B, *) float32 -> (B, T, *), the view time_major.swapaxes(0, 1), whose gradient is row-contiguous.
 mx::array swapped_view(const mx::array& time_major) {
   if (time_major.ndim() < 2 || time_major.dtype() != mx::float32) {
+    const char* dtype = time_major.dtype() == mx::float32 ? "" : " not float32";
     throw std::invalid_argument("swapped_view: expected time_major float32 with at least 2 axes, got " +
-                                shape_text(time_major.shape()) + (time_major.dtype() == mx::float32 ? "" : " not float32"));
+                                shape_text(time_major.shape()) + dtype);
   }
   return mx::array(swapped_shape({time_major})[0], mx::float32,
                    std::make_shared<SwappedView>(seqlib_cpu::cpu_stream()), {time_major});
