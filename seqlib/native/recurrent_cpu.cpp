@@ -59,6 +59,7 @@
 #include <nanobind/stl/vector.h>
 
 #include "cpu_loop.h"
+#include "mlx/backend/common/utils.h"
 
 namespace nb = nanobind;
 namespace mx = mlx::core;
@@ -2878,9 +2879,11 @@ class SwappedView : public mx::UnaryPrimitive {
     const mx::array& in = inputs[0];
     mx::Strides strides = in.strides();
     std::swap(strides[0], strides[1]);
-    auto flags = in.flags();  // the same buffer, as dense as before; row- or column-major as its strides say
-    flags.row_contiguous = is_dense(out.shape(), strides, in.data_size(), false);
-    flags.col_contiguous = is_dense(out.shape(), strides, in.data_size(), true);
+    auto flags = in.flags();  // the same buffer; row- or column-major as its strides say (MLX's Transpose's rule)
+    if (flags.contiguous && in.data_size() == in.size()) {
+      const auto [unbroadcast_size, row_contiguous, col_contiguous] = mx::check_contiguity(out.shape(), strides);
+      flags.row_contiguous = row_contiguous, flags.col_contiguous = col_contiguous;
+    }
     out.copy_shared_buffer(in, strides, flags, in.data_size());
   }
   void eval_gpu(const std::vector<mx::array>&, mx::array&) override {
@@ -2902,19 +2905,6 @@ class SwappedView : public mx::UnaryPrimitive {
   bool is_equivalent(const mx::Primitive&) const override { return true; }
   std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override {
     return swapped_shape(inputs);
-  }
-
- private:
-  // Whether strides lay out every element of shape once in data_size elements, last axis fastest (or first: column).
-  static bool is_dense(const mx::Shape& shape, const mx::Strides& strides, size_t data_size, bool column) {
-    int64_t expected = 1;
-    for (size_t k = 0; k < shape.size(); ++k) {
-      const size_t axis = column ? k : shape.size() - 1 - k;
-      if (shape[axis] == 1) continue;
-      if (strides[axis] != expected) return false;
-      expected *= shape[axis];
-    }
-    return static_cast<size_t>(expected) == data_size;
   }
 };
 
