@@ -2854,12 +2854,17 @@ std::vector<mx::array> swap_vjp(const Swap&, const std::vector<mx::array>&, cons
   return {mx::swapaxes(cotangents[0], 0, 1, seqlib_cpu::cpu_stream())};
 }
 
+// The argument `name` of op, whose two leading axes it swaps: float32 with at least 2 axes, or a ValueError.
+void check_swappable(const char* op, const char* name, const mx::array& a) {
+  if (a.ndim() < 2 || a.dtype() != mx::float32) {
+    throw std::invalid_argument(std::string(op) + ": expected " + name + " float32 with at least 2 axes, got " +
+                                shape_text(a.shape()) + (a.dtype() == mx::float32 ? "" : " not float32"));
+  }
+}
+
 // x (A, B, *) float32 -> (B, A, *), a row-contiguous copy of x.swapaxes(0, 1), with its gradient.
 mx::array swap_leading_axes(const mx::array& x) {
-  if (x.ndim() < 2 || x.dtype() != mx::float32) {
-    throw std::invalid_argument("swap_leading_axes: expected x float32 with at least 2 axes, got " +
-                                shape_text(x.shape()) + (x.dtype() == mx::float32 ? "" : " not float32"));
-  }
+  check_swappable("swap_leading_axes", "x", x);
   return seqlib_cpu::make_loop("SwapLeadingAxes", swap_leading, swapped_shape({x}), {mx::float32}, {&x}, Swap{},
                                swap_vjp, swapped_shape)[0];
 }
@@ -2910,11 +2915,7 @@ class SwappedView : public mx::UnaryPrimitive {
 
 // time_major (T, B, *) float32 -> (B, T, *), the view time_major.swapaxes(0, 1), whose gradient is row-contiguous.
 mx::array swapped_view(const mx::array& time_major) {
-  if (time_major.ndim() < 2 || time_major.dtype() != mx::float32) {
-    const char* dtype = time_major.dtype() == mx::float32 ? "" : " not float32";
-    throw std::invalid_argument("swapped_view: expected time_major float32 with at least 2 axes, got " +
-                                shape_text(time_major.shape()) + dtype);
-  }
+  check_swappable("swapped_view", "time_major", time_major);
   return mx::array(swapped_shape({time_major})[0], mx::float32,
                    std::make_shared<SwappedView>(seqlib_cpu::cpu_stream()), {time_major});
 }
