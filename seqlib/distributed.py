@@ -176,7 +176,8 @@ def launch_local(script, *args, ranks: int = 2, env: dict | None = None, timeout
     connection takes its local port), and a failed attempt is run again on other ports, up to
     ``attempts`` times in all.  The launcher exits 0 even when a rank fails; a rank that exited with
     an error, was killed, or a job that ran past ``timeout`` seconds (its processes are killed)
-    counts as a failed attempt.  A RuntimeError with every attempt's output if none succeeded.
+    counts as a failed attempt, reported with every rank that failed in it, in rank order.  A
+    RuntimeError with every attempt's output if none succeeded.
     """
     if isinstance(ranks, bool) or not isinstance(ranks, int) or ranks < 1:
         raise ValueError(f"ranks: expected a positive int, got {ranks!r}")
@@ -221,8 +222,11 @@ def _run_job(command: list[str], environment: dict, timeout: float):
     result = subprocess.CompletedProcess(command, process.returncode, stdout, stderr)
     if process.returncode != 0:
         return result, f"the launcher exited with {process.returncode}"
-    failed_rank = re.search(r"Node with rank \d+ (exited with code -?\d+|was killed)", stderr)
-    return result, (failed_rank.group(0) if failed_rank else None)
+    # Every failed rank, in rank order: when one rank exits, the others may fail on the broken ring
+    # before or after the launcher reports it, so the order of the reports says nothing.
+    failed = re.findall(r"Node with rank (\d+) (exited with code -?\d+|was killed)", stderr)
+    reports = [f"Node with rank {rank} {how}" for rank, how in sorted(set(failed), key=lambda f: int(f[0]))]
+    return result, ("; ".join(reports) or None)
 
 
 def _free_ports(count: int) -> int:

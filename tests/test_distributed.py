@@ -151,9 +151,11 @@ def test_launch_local_runs_every_rank_of_one_ring(tmp_path):
 def test_launch_local_reports_every_failed_attempt(tmp_path):
     with pytest.raises(RuntimeError, match=r"the 2-rank job failed \(2 attempts\)") as caught:
         launch_local(FLAKY, tmp_path, "always", attempts=2)
-    message = str(caught.value)
-    assert "attempt 1: Node with rank 1 exited with code 3" in message
-    assert "attempt 2: Node with rank" in message
+    failures = [line for line in str(caught.value).splitlines() if line.startswith("attempt ")]
+    assert [line.split(":")[0] for line in failures] == ["attempt 1", "attempt 2"], failures
+    for line in failures:  # rank 0 may fail too, on the broken ring, reported before or after rank 1
+        assert "Node with rank 1 exited with code 3" in line, line
+        assert line.count("Node with rank 1 ") == 1, line
 
 
 def test_launch_local_kills_a_job_that_runs_past_its_timeout(tmp_path):
