@@ -1007,10 +1007,10 @@ void packed_steps(const Loop& loop, int batch, int hidden, const float* w_hh, co
     const auto [first_block, end_block] = share_of(0, blocks, thread / parts, groups);
     // this thread's rows of a step: a share of them where the team meets every step; where it never does (one group),
     // the same sequences at every step (its share of the batch, those of them running), whose states it alone keeps
-    const auto [batch_first, batch_end] = share_of(0, batch, part, parts);
+    const auto [first_sequence, end_sequence] = share_of(0, batch, part, parts);
     const auto rows_of = [&](const Step& step) {
       return groups > 1 ? share_of(0, step.rows, part, parts)
-                        : std::pair{std::min(batch_first, step.rows), std::min(batch_end, step.rows)};
+                        : std::pair{std::min(first_sequence, step.rows), std::min(end_sequence, step.rows)};
     };
     const auto [pack_from, pack_end] = share_of(first_block, end_block, part, parts);  // the group packs its blocks
     pack_gate_blocks(w_hh, hidden, hidden, GATES, pack_from, pack_end, packed.data());
