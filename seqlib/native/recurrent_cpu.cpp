@@ -380,6 +380,12 @@ inline const Step* earlier_step(const Loop& loop, const Step& step) {
 // (the first step; in the reverse direction, a sequence that joins at this step).
 inline bool continues(const Step* earlier, int r) { return earlier != nullptr && r < earlier->rows; }
 
+// How many of a step's first `rows` rows continue (continues): rows [0, n) do, rows [n, rows) start from the initial
+// state (a step's rows are its sequences in order, the longest first, so those that continue come first).
+inline int continuing_rows(const Step* earlier, int rows) {
+  return earlier != nullptr ? std::min(earlier->rows, rows) : 0;
+}
+
 // The LSTM's backward through one step's gate math, for units [first, end) of rows [first_row, end_row) (those
 // of the step's rows that fall there): d_gates (the step's rows, from its first: rows of outs[0] or a
 // GateRows buffer) from d_h (the gradient reaching h, rows of d_h0's buffer) and d_c, which moves back a step
@@ -1356,7 +1362,7 @@ void ask_gradient_sources(LineRequests& lines, const Loop& loop, const Step& ste
   const int hidden = in.h0->shape(1), width = in.d_input_side->width();
   lines.add(in.x + static_cast<size_t>(step.first) * in.depth, sizeof(float) * step.rows * in.depth);
   const Step* earlier = earlier_step(loop, step);
-  const int continuing = earlier != nullptr ? std::min(earlier->rows, step.rows) : 0;
+  const int continuing = continuing_rows(earlier, step.rows);
   if (continuing > 0) lines.add(row_of(*in.output, earlier->first), sizeof(float) * continuing * hidden);
   if (continuing < step.rows) lines.add(row_of(*in.h0, continuing), sizeof(float) * (step.rows - continuing) * hidden);
   const auto others = [&](const GateRows& gates, int r0, int r1) {
@@ -1539,7 +1545,7 @@ void ask_saved(LineRequests& lines, const float* saved, const SavedBlocks& layou
 void lstm_gate_inputs(const std::vector<mx::array>& ins, const Step& step, const Step* earlier, int first, int end,
                       int first_row, int end_row, LineRequests& lines) {
   const int hidden = ins[4].shape(1), r0 = first_row, r1 = std::min(end_row, step.rows);
-  const int continuing = std::clamp(earlier != nullptr ? earlier->rows : 0, r0, r1);
+  const int continuing = std::max(r0, continuing_rows(earlier, r1));  // rows [r0, continuing) continue
   const SavedBlocks layout(hidden, kLstmSlots);
   ask_saved(lines, ins[1].data<float>(), layout, step, -1, first, end, r0, r1);
   if (earlier != nullptr) ask_saved(lines, ins[1].data<float>(), layout, *earlier, 4, first, end, r0, continuing);
@@ -1552,7 +1558,7 @@ void lstm_gate_inputs(const std::vector<mx::array>& ins, const Step& step, const
 void gru_gate_inputs(const std::vector<mx::array>& ins, const Step& step, const Step* earlier, int first, int end,
                      int first_row, int end_row, LineRequests& lines) {
   const int hidden = ins[5].shape(1), r0 = first_row, r1 = std::min(end_row, step.rows);
-  const int continuing = std::clamp(earlier != nullptr ? earlier->rows : 0, r0, r1);
+  const int continuing = std::max(r0, continuing_rows(earlier, r1));  // rows [r0, continuing) continue
   ask_saved(lines, ins[1].data<float>(), SavedBlocks(hidden, kGruSlots), step, -1, first, end, r0, r1);
   if (earlier != nullptr) ask_rows(lines, ins[2], earlier->first, r0, continuing, first, end);
   ask_rows(lines, ins[3], 0, continuing, r1, first, end);
@@ -2835,7 +2841,7 @@ void swap_leading(std::vector<mx::array>& ins, std::vector<mx::array>& outs, con
   const mx::array& x = ins[0];
   const int64_t first_axis = x.shape(0), second_axis = x.shape(1);
   int64_t width = 1;  // floats in x[a, b]
-  for (int axis = 2; axis < x.ndim(); ++axis) width *= x.shape(axis);
+  for (size_t axis = 2; axis < x.ndim(); ++axis) width *= x.shape(axis);
   const float* from = x.data<float>();
   float* to = outs[0].data<float>();
   seqlib_cpu::parallel_for(second_axis, static_cast<int64_t>(x.size()), [&](int64_t first, int64_t end) {
