@@ -575,6 +575,8 @@ def test_bags_split_over_threads_add_in_the_same_order_as_one_thread(tmp_path):
 # of units are fewer than twice the threads (H = 32, 48 on AVX-512) or not (H = 128, 512), so teams split rows,
 # blocks or both: rows alone where the weights fit in half a core's L2 (H = 128 on any current x86 core), blocks where
 # they do not (H = 512: 4 MB); or, at small batches, w_hh passes 256 KB (H = 256, 128), and teams split blocks.
+# (The small batches' loops are short: the first in the script may run on one thread while the workers sleep, the
+# others, called in quick succession, on teams: see team_of.)
 LARGE_STEPS = ((6, 1030, 32), (5, 800, 48), (5, 200, 128), (5, 48, 512))
 SMALL_BATCHES = ((6, 1, 256), (5, 3, 128))
 BIG_STEPS = """

@@ -20,6 +20,7 @@
 #include <cfenv>
 #include <cstdint>
 #include <cstdlib>
+#include <limits>
 #include <memory>
 #include <mutex>
 #include <semaphore>
@@ -290,6 +291,7 @@ class Workers {
           const int64_t blas_calls = threaded_blas_calls();
           const auto watch_end = std::chrono::steady_clock::now() + kWatchTime;
           bool watched = true;  // whether the job came during the watch, not while the worker slept
+          watching_.fetch_add(1, std::memory_order_relaxed);
           for (int spins = 1; sleeper->posted.load(std::memory_order_relaxed) == taken; ++spins) {
             if (spins % kCheckEvery == 0 &&  // the watch is over, or a threaded product needs this core
                 (std::chrono::steady_clock::now() > watch_end || threaded_blas_calls() != blas_calls)) {
@@ -298,6 +300,7 @@ class Workers {
             }
             spin_pause();
           }
+          watching_.fetch_sub(1, std::memory_order_relaxed);
           sleeper->wake.acquire();  // at once where the job was posted
           if (!watched) leave_caller_cpu(part);
           fesetenv(&environment_);
@@ -319,6 +322,17 @@ class Workers {
     job.call(job.body, 0);
     done_.acquire();  // released by the last worker to finish: all their writes are visible here
     return true;
+  }
+
+  // Whether `count` workers would start a job at once, or soon: they watch for one (a job of theirs ended less than
+  // kWatchTime ago), or ready() was last asked less than kWatchTime ago (calls in quick succession, which repay
+  // waking them: the next finds them watching).  A short loop that finds them asleep runs on its own thread: see
+  // team_of in recurrent_cpu.cpp.
+  bool ready(int count) {
+    const int64_t now = std::chrono::steady_clock::now().time_since_epoch().count();
+    const int64_t before = last_asked_.exchange(now, std::memory_order_relaxed);
+    return watching_.load(std::memory_order_relaxed) >= count ||
+           std::chrono::steady_clock::duration(now - before) < kWatchTime;
   }
 
  private:
@@ -345,6 +359,8 @@ class Workers {
   }
 
   std::atomic<int> caller_cpu_{-1};  // the CPU the last job was posted from
+  std::atomic<int> watching_{0};  // workers now in their watch
+  std::atomic<int64_t> last_asked_{std::numeric_limits<int64_t>::min() / 2};  // when ready() was (steady clock)
   static constexpr std::chrono::microseconds kWatchTime{1000};
   static constexpr int kCheckEvery = 64;  // pauses between looks at the clock and the BLAS shim's count
   std::atomic<bool> taken_{false};  // a flag, not a mutex: a part that runs a loop of its own may ask again

@@ -925,12 +925,33 @@ struct Team {
 // products in the same order either way.  One layer, 2-core AVX-512 Xeon (2 MB of L2), (T, B, D, H) = (200, 64,
 // 128, 128), interleaved builds, blocks -> rows, ms: forward GRU 11.2, 10.9 -> 9.3, 8.5, LSTM 14.5, 13.1 -> 12.4,
 // 11.7; forward+backward GRU 40.0, 38.5 -> 35.5, 31.2, LSTM 50.5, 45.2 -> 42.5, 43.1.
-Team team_of(int batch, int hidden, int unit_blocks, int most_groups, int64_t weight_bytes) {
+//
+// A short loop (under kWakeMinMultiplyAdds on its weights, which fit in L2) runs on its own thread where the workers
+// sleep (Workers::ready): on a 2-core virtual machine, after the process was idle (as the benchmark harness times each
+// call), a worker's CPU took 0.5-1.5 ms to run it, longer than such a loop.  LSTM (T, B, D, H) = (50, 1, 64, 256)
+// forward, 15 calls each after the harness's settle, ms: a team of two 1.4-4.7 (in most processes 2-4: the team's
+// threads shared one CPU, or the other CPU barely ran), one thread 0.9-1.3; called back to back, 0.64-0.72 and
+// 0.95-0.97, which the team keeps (its workers watch).
+constexpr int64_t kWakeMinMultiplyAdds = int64_t{1} << 25;
+
+Team team_of(int batch, int hidden, int unit_blocks, int most_groups, int64_t weight_bytes, int64_t multiply_adds) {
   const int groups = std::min(team_size(batch, hidden, unit_blocks), most_groups);
+  Team team{groups, row_parts(batch, hidden, groups)};
   if (groups > 1 && 2 * weight_bytes <= l2_bytes() && batch >= 2 * kMinRowsPerPart) {
-    return {1, std::min(seqlib_cpu::thread_budget(), batch / kMinRowsPerPart)};
+    team = {1, std::min(seqlib_cpu::thread_budget(), batch / kMinRowsPerPart)};
   }
-  return {groups, row_parts(batch, hidden, groups)};
+  if (team.threads() > 1 && multiply_adds < kWakeMinMultiplyAdds && weight_bytes <= l2_bytes() &&
+      !seqlib_cpu::Workers::get().ready(team.threads() - 1)) {
+    return {1, 1};
+  }
+  return team;
+}
+
+// The rows of all steps of a loop.
+int64_t loop_rows(const Loop& loop) {
+  int64_t rows = 0;
+  for (const Step& step : loop.steps) rows += step.rows;
+  return rows;
 }
 
 // h_n (B, H): each sequence's output row at its last step (sequences stop at different steps).
@@ -1004,7 +1025,8 @@ void packed_steps(const Loop& loop, int batch, int hidden, const float* w_hh, co
                   float* h_next, GateMath gate_math, InputSide input = {}) {
   constexpr int width = GATES * kUnits;  // a block's columns: kUnits for each gate
   const int blocks = (hidden + kUnits - 1) / kUnits, depth = input.depth;
-  const Team team = team_of(batch, hidden, blocks, blocks, int64_t{4} * (hidden + depth) * GATES * hidden);
+  const int64_t weight_floats = int64_t{hidden + depth} * GATES * hidden;
+  const Team team = team_of(batch, hidden, blocks, blocks, 4 * weight_floats, weight_floats * loop_rows(loop));
   const int groups = team.groups, parts = team.parts;
   AlignedFloats packed(static_cast<size_t>(blocks) * hidden * width);
   AlignedFloats packed_ih(input.x != nullptr ? static_cast<size_t>(blocks) * depth * width : 0);
@@ -1414,7 +1436,8 @@ void packed_backward_steps(const Loop& loop, int batch, int hidden, const float*
   const int x_width = input != nullptr && input->d_x != nullptr ? input_width : 0;  // d_x's: 0 where not asked for
   const int x_blocks = (x_width + kTile - 1) / kTile;  // of w_ih's columns, packed for d_x
   const int64_t weight_floats = int64_t{depth} * (hidden + x_width);
-  const Team team = team_of(batch, hidden, (hidden + kUnits - 1) / kUnits, blocks, 4 * weight_floats);
+  const Team team = team_of(batch, hidden, (hidden + kUnits - 1) / kUnits, blocks, 4 * weight_floats,
+                            (input != nullptr ? 2 : 1) * weight_floats * loop_rows(loop));  // with d_w: twice
   const int groups = team.groups, parts = team.parts, threads = team.threads();
   // where the threads meet after each step's gate math: each reads columns of d_gates that others wrote (the
   // product, split by blocks), or rows (the weight gradients)
