@@ -12,7 +12,8 @@ variant) and the variant interleaved in that process, each call after ``seqlib.b
 medians and the variant's ratio:
 
 - ``loop``: the LSTM forward loop alone (``lstm_sequence`` on evaluated x_gates) at three shapes;
-- ``layer``: a layer's forward and forward+backward, seqlib.nn.LSTM or GRU, at the issue's shapes;
+- ``layer``: a layer's forward and forward+backward (the parameters' gradients and x's, as the recurrent
+  suite takes them), seqlib.nn.LSTM or GRU, at the issue's shapes;
 - ``stream``: an LSTMCell streamed at batch 1 for 50 steps, H = 128 and 512.
 
 Ratios of a few percent need repeats and a quiet machine: run each comparison twice.  An A/A run (the
@@ -123,7 +124,7 @@ def layer_cases(base, variant, kind: str) -> None:
         def forward(layer=layer, x=x):
             mx.eval(layer(x)[0])
 
-        def both(layer=layer, x=x, gradient=mx.value_and_grad(loss)):
+        def both(layer=layer, x=x, gradient=mx.value_and_grad(loss, argnums=(0, 1))):  # x's too, as the suite
             mx.eval(gradient(layer.trainable_parameters(), x))
 
         shape = (steps, batch, input_size, hidden)
