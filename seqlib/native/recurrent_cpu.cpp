@@ -155,8 +155,9 @@ inline void copy_rows(float* dst, const float* src, int rows, int width) {
 // The bias gradients that a backward without kInputSide takes in its loop (kSumBias): sum (width,) += every
 // step's rows of `rows` (N, width), a step at a time in the loop's order, each step's rows in order, whichever
 // thread takes which columns: the same bits for every team.  Taken after each step's meeting, while its rows
-// are in cache, where MLX's sum over the rows read them all back from memory on one thread afterwards: 1.9 ms
-// of an LSTM's 100 ms forward+backward at (T, B, D, H) = (100, 32, 256, 512) (2-core AVX-512 Xeon).
+// are in cache (a team that never meets takes them after the loop, in the same order), where MLX's sum over the
+// rows read them all back from memory on one thread afterwards: 1.9 ms of an LSTM's 100 ms forward+backward at
+// (T, B, D, H) = (100, 32, 256, 512) (2-core AVX-512 Xeon).
 struct RowSums {
   const mx::array* rows;
   float* sum;
@@ -1963,9 +1964,13 @@ std::vector<mx::array> sequence(const char* name, seqlib_cpu::CpuLoop<Loop>::Run
 // ----------------------------------------------------------------- the forwards' vector-Jacobian products
 //
 // Each forward that saved its activations (save) differentiates itself: the backward loop over the
-// same steps, then every step's weight gradient in one product with the states the steps started from
-// (previous_states_product), as MLX operations; after an input-side forward whose gradients are small
-// (fuses_input_gradients), the backward loop takes them itself.
+// same steps (which also sums the LSTM's and the GRU's bias gradients: kSumBias), then every step's weight
+// gradient in one product with the states the steps started from (previous_states_product), as MLX operations;
+// after an input-side forward whose gradients are small (fuses_input_gradients), the backward loop takes them
+// itself.  Taking x's gradient in the loop too where they are not (d_input_side @ w_ih on packed w_ih, after each
+// step's meeting) measured even with the matmul after it: LSTM (100, 32, 256, 512) per thread, the product 29-31
+// M cycles in the loop (w_ih streamed from L3 at every step) against 11.4 ms (30 M) for OpenBLAS's, and d_h's
+// product slowed from 50 to 54 M; split by blocks of w_ih, 25-26.5 M but the gate math 13 -> 16 M.
 // The cotangents of the saved arrays are ignored (they are seqlib's own, never read downstream).
 
 void require_saved(const Loop& loop, const char* op) {
