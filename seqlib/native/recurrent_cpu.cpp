@@ -152,48 +152,6 @@ inline void copy_rows(float* dst, const float* src, int rows, int width) {
   std::memcpy(dst, src, sizeof(float) * rows * width);
 }
 
-// The bias gradients that a backward without kInputSide takes in its loop (kSumBias): sum (width,) += every
-// step's rows of `rows` (N, width), a step at a time in the loop's order, each step's rows in order, whichever
-// thread takes which columns: the same bits for every team.  Taken after each step's meeting, while its rows
-// are in cache (a team that never meets takes them after the loop, in the same order), where MLX's sum over the
-// rows read them all back from memory on one thread afterwards: 1.9 ms of an LSTM's 100 ms forward+backward at
-// (T, B, D, H) = (100, 32, 256, 512) (2-core AVX-512 Xeon).
-struct RowSums {
-  const mx::array* rows;
-  float* sum;
-};
-
-// The columns [first, end) of each of sums, with the rows of step.
-inline void add_row_sums(const std::vector<RowSums>& sums, const Step& step, int first, int end) {
-  for (const RowSums& s : sums) {
-    const size_t width = s.rows->shape(1);
-    const float* rows = row_of(*s.rows, step.first);
-    for (int r = 0; r < step.rows; ++r) {
-      for (int c = first; c < end; ++c) s.sum[c] += rows[r * width + c];
-    }
-  }
-}
-
-// A backward's RowSums where its loop has kSumBias (else none), zeroed: the sums of `rows` in outs[first_sum], ...,
-// as many of them as there are (the GRU's b_ih's only where its forward had a bias).
-std::vector<RowSums> bias_sums(const Loop& loop, std::vector<mx::array>& outs,
-                               const std::vector<const mx::array*>& rows, size_t first_sum) {
-  std::vector<RowSums> sums;
-  for (size_t k = 0; (loop.option & kSumBias) && k < rows.size() && first_sum + k < outs.size(); ++k) {
-    float* sum = outs[first_sum + k].data<float>();
-    std::fill_n(sum, outs[first_sum + k].size(), 0.0f);
-    sums.push_back({rows[k], sum});
-  }
-  return sums;
-}
-
-// The sums over a whole loop, on one thread (a loop that is not packed).
-void sum_rows(const Loop& loop, const std::vector<RowSums>& sums) {
-  for (auto step = loop.steps.rbegin(); step != loop.steps.rend(); ++step) {
-    for (const RowSums& s : sums) add_row_sums({s}, *step, 0, s.rows->shape(1));
-  }
-}
-
 // A forward's optional last input, ins[at]: the bias (G H,) added to every row of x_gates; nullptr without one.
 inline const float* bias_input(const std::vector<mx::array>& ins, size_t at) {
   return ins.size() > at ? ins[at].data<float>() : nullptr;
@@ -254,6 +212,63 @@ using simd::Vec;
 inline Vec fast_tanh(Vec x) { return simd::clipped(x, tanh_ratio(x), kTanhClip); }
 inline Vec fast_sigmoid(Vec x) { return 0.5f * fast_tanh(0.5f * x) + 0.5f; }
 #endif
+
+// bias[first, end) += the sum of d's count rows (stride ldd) there, row by row: each column adds its rows in
+// order, on vectors where the build has them, one float at a time where not (the same bits either way).
+inline void accumulate_sums(int first, int end, int count, const float* d, size_t ldd, float* bias) {
+#if defined(__AVX2__) && defined(__FMA__)
+  for (int g = first; g < end; g += simd::kLanes) {
+    const int lanes = std::min(simd::kLanes, end - g);
+    Vec sum = simd::load(bias + g, lanes);
+    for (int k = 0; k < count; ++k) sum = sum + simd::load(d + k * ldd + g, lanes);
+    simd::store(bias + g, sum, lanes);
+  }
+#else
+  for (int k = 0; k < count; ++k) {
+    for (int g = first; g < end; ++g) bias[g] += d[k * ldd + g];
+  }
+#endif
+}
+
+// The bias gradients that a backward without kInputSide takes in its loop (kSumBias): sum (width,) += every
+// step's rows of `rows` (N, width), a step at a time in the loop's order, each step's rows in order, whichever
+// thread takes which columns: the same bits for every team.  Taken after each step's meeting, while its rows
+// are in cache (a team that never meets takes them after the loop, in the same order), where MLX's sum over the
+// rows read them all back from memory on one thread afterwards: 1.9 ms of an LSTM's 100 ms forward+backward at
+// (T, B, D, H) = (100, 32, 256, 512) (2-core AVX-512 Xeon).
+struct RowSums {
+  const mx::array* rows;
+  float* sum;
+};
+
+// The columns [first, end) of each of sums, with the rows of step.
+inline void add_row_sums(const std::vector<RowSums>& sums, const Step& step, int first, int end) {
+  for (const RowSums& s : sums) {
+    accumulate_sums(first, end, step.rows, row_of(*s.rows, step.first), s.rows->shape(1), s.sum);
+  }
+}
+
+// A backward's RowSums where its loop has kSumBias (else none), zeroed: the sums of `rows` in outs[first_sum], ...,
+// as many of them as there are (the GRU's b_ih's only where its forward had a bias).
+std::vector<RowSums> bias_sums(const Loop& loop, std::vector<mx::array>& outs,
+                               const std::vector<const mx::array*>& rows, size_t first_sum) {
+  std::vector<RowSums> sums;
+  if (!(loop.option & kSumBias)) return sums;
+  for (size_t k = 0; k < rows.size() && first_sum + k < outs.size(); ++k) {
+    float* sum = outs[first_sum + k].data<float>();
+    std::fill_n(sum, outs[first_sum + k].size(), 0.0f);
+    sums.push_back({rows[k], sum});
+  }
+  return sums;
+}
+
+// The sums over a whole loop, on one thread (a loop that is not packed; every sum G H wide).
+void sum_rows(const Loop& loop, const std::vector<RowSums>& sums) {
+  if (sums.empty()) return;
+  for (auto step = loop.steps.rbegin(); step != loop.steps.rend(); ++step) {
+    add_row_sums(sums, *step, 0, sums[0].rows->shape(1));
+  }
+}
 
 // The LSTM's gate math for one unit (seqlib.pointwise's), on floats or on vectors of them (the same
 // operations in the same order: both round alike): the pre-activations i, f, g, o become activations, c
@@ -1383,16 +1398,6 @@ inline void accumulate_rows(Transposed& sums, int count, const float* d, int ldd
       }
       tick();
     }
-  }
-}
-
-// bias[first, end) += the sum of d's count rows (stride ldd) there, row by row.
-inline void accumulate_sums(int first, int end, int count, const float* d, int ldd, float* bias) {
-  for (int g = first; g < end; g += simd::kLanes) {
-    const int lanes = std::min(simd::kLanes, end - g);
-    Vec sum = simd::load(bias + g, lanes);
-    for (int k = 0; k < count; ++k) sum = sum + simd::load(d + static_cast<size_t>(k) * ldd + g, lanes);
-    simd::store(bias + g, sum, lanes);
   }
 }
 
