@@ -1280,6 +1280,12 @@ class GateRows {
 // the transposed copies (aligned d_gates rows as the tiles' vector loads) against the gradient's own rows (the
 // sources' rows as the loads, straddling cache lines), layer forward+backward: GRU 36.4-37.4 -> 35.5-36.6 ms, LSTM
 // 42.5-43.7 -> 40.4-41.6.
+// The tile alone (accumulate_tile<6, 4>, its data in cache, AVX-512) runs at the FMA peak: 2.3 vector FMAs per TSC
+// cycle on a 2.6 GHz TSC; 200 steps of one matrix's gradient at (B, D, G H) = (64, 128, 384) took 8.4 M cycles,
+// 9.8 M with each step's rows fresh from memory.  In the GRU's loop at that shape both take 26-29 M per thread:
+// the rest is the loop's memory traffic (the other thread's rows of d_gates, the L2 shared with the packed
+// weights and the activations streaming through).  Asking L1 for the next tile's sums, and copying each step's
+// sources to rows of 144 floats (against cache-set conflicts of 512-byte rows), changed nothing measurable.
 
 #if defined(__AVX512F__)
 constexpr int kOuterAccumulators = 24, kOuterVectors = 4;  // of 32 registers: 4 loads, 6 broadcasts, 24 FMAs
@@ -1473,7 +1479,16 @@ void ask_gradient_sources(LineRequests& lines, const Loop& loop, const Step& ste
 // whose tiles they evicted from L1, from 27.0 to 30.3: the GRU's backward loop per thread, medians of 15 calls in
 // alternated processes, 53.2 M without against 54.7 M, its layer's forward+backward 34.3 against 35.2 ms; the LSTM's
 // loop 69.8 against 70.8 M.  Without input (the larger layers, whose steps took few tiles for many lines) the
-// requests came in bursts and bought nothing: none are made there.
+// requests came in bursts and bought nothing: none are made there.  Asking for all of them before the weight
+// gradients (during the product's and d_x's tiles only) was slower: GRU and LSTM layer forward+backward at (200,
+// 64, 128, 128) 1.04-1.06 and 1.02 of this order; asking for the other threads' rows of d_gates first, even.
+//
+// Not kept either: the gate math of the step before in the product's epilogue, on each finished tile of d_h (as
+// the forward does).  It cost as much there as in its own pass (GRU at (200, 64, 128, 128), per thread: gate math
+// 4.8-5.9 M cycles and product + d_x 22-23 M before, product with the gate math 15.9-17.7 M and d_x 10.8-11.3 M
+// after): its work is multiplies on the FMA ports and loads of the saved activations, which do not hide behind
+// the tiles' FMAs.  Layer forward+backward, interleaved builds, this loop against it: GRU (200, 64, 128, 128)
+// 0.977, (100, 32, 256, 512) 0.995; LSTM 1.003 and 0.995.
 constexpr size_t kFirstStepTicks = 64;  // the tiles a thread is taken to take per step, before it has counted them
 template <class GateBackward, class GateInputs>
 void packed_backward_steps(const Loop& loop, int batch, int hidden, const float* w_hh, const GateRows& d_gates,
