@@ -157,6 +157,10 @@ inline const float* bias_input(const std::vector<mx::array>& ins, size_t at) {
   return ins.size() > at ? ins[at].data<float>() : nullptr;
 }
 
+// Where an LSTM's or a GRU's optional bias sits among its forward's ins (its vjp's primals): after w_ih where the
+// loop computes its input side (kInputSide), else after the states.
+inline size_t gate_bias_at(const Loop& loop) { return loop.option & kInputSide ? 5 : 4; }
+
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
 
@@ -1156,7 +1160,7 @@ void packed_steps(const Loop& loop, int batch, int hidden, const float* w_hh, co
 void lstm_forward_packed(std::vector<mx::array>& ins, std::vector<mx::array>& outs, const Loop& loop) {
   const bool save = loop.option & kSave, input_side = loop.option & kInputSide;
   const int batch = ins[2].shape(0), hidden = ins[2].shape(1);
-  const float* bias = bias_input(ins, input_side ? 5 : 4);
+  const float* bias = bias_input(ins, gate_bias_at(loop));
   const InputSide input = input_side ? InputSide{ins[0].data<float>(), ins[4].data<float>(), ins[0].shape(1)}
                                      : InputSide{};
   // Both buffers start as h0: in the reverse direction a sequence joins at a later step, reading h0 from either.
@@ -1206,7 +1210,7 @@ inline void gru_gate_math(int units, int hidden, const float* x, int x_stride, c
 void gru_forward_packed(std::vector<mx::array>& ins, std::vector<mx::array>& outs, const Loop& loop) {
   const bool save = loop.option & kSave, input_side = loop.option & kInputSide;
   const int batch = ins[3].shape(0), hidden = ins[3].shape(1);
-  const float *b_hh = ins[2].data<float>(), *bias = bias_input(ins, input_side ? 5 : 4);
+  const float *b_hh = ins[2].data<float>(), *bias = bias_input(ins, gate_bias_at(loop));
   const InputSide input = input_side ? InputSide{ins[0].data<float>(), ins[4].data<float>(), ins[0].shape(1)}
                                      : InputSide{};
   std::vector<float> h(ins[3].data<float>(), ins[3].data<float>() + static_cast<size_t>(batch) * hidden), h_next(h);
@@ -1486,8 +1490,8 @@ void ask_gradient_sources(LineRequests& lines, const Loop& loop, const Step& ste
 // Not kept either: the gate math of the step before in the product's epilogue, on each finished tile of d_h (as
 // the forward does).  It cost as much there as in its own pass (GRU at (200, 64, 128, 128), per thread: gate math
 // 4.8-5.9 M cycles and product + d_x 22-23 M before, product with the gate math 15.9-17.7 M and d_x 10.8-11.3 M
-// after): its work is multiplies on the FMA ports and loads of the saved activations, which do not hide behind
-// the tiles' FMAs.  Layer forward+backward, interleaved builds, this loop against it: GRU (200, 64, 128, 128)
+// after): its work (multiplies on the FMA ports, loads of the saved activations) seems not to hide behind the
+// tiles' FMAs.  Layer forward+backward, interleaved builds, this loop against it: GRU (200, 64, 128, 128)
 // 0.977, (100, 32, 256, 512) 0.995; LSTM 1.003 and 0.995.
 constexpr size_t kFirstStepTicks = 64;  // the tiles a thread is taken to take per step, before it has counted them
 template <class GateBackward, class GateInputs>
@@ -2086,10 +2090,10 @@ std::vector<mx::array> lstm_vjp(const Loop& loop, const std::vector<mx::array>& 
                        &primals[0], &primals[4], &outputs[0], &primals[2]},
                       Loop{loop.steps, kInputSide});
     std::vector<mx::array> by_input = {d[3], d[5], d[1], d[2], d[4]};  // x, w_hh, h0, c0, w_ih
-    if (primals.size() > 5) by_input.push_back(d[6]);
+    if (primals.size() > gate_bias_at(loop)) by_input.push_back(d[6]);
     return pick(argnums, by_input);
   }
-  const bool has_bias = primals.size() > (input_side ? 5u : 4u);
+  const bool has_bias = primals.size() > gate_bias_at(loop);
   std::vector<mx::Shape> shapes = {{n, 4 * h}, {b, h}, {b, h}};
   if (has_bias) shapes.push_back({4 * h});  // the bias's gradient, summed in the loop (kSumBias)
   auto d = run_loop("LSTMSequenceBackward", lstm_backward, shapes,
@@ -2120,10 +2124,10 @@ std::vector<mx::array> gru_vjp(const Loop& loop, const std::vector<mx::array>& p
                        &primals[0], &primals[4]},
                       Loop{loop.steps, kInputSide});
     std::vector<mx::array> by_input = {d[3], d[5], d[7], d[2], d[4]};  // x, w_hh, b_hh, h0, w_ih
-    if (primals.size() > 5) by_input.push_back(d[6]);
+    if (primals.size() > gate_bias_at(loop)) by_input.push_back(d[6]);
     return pick(argnums, by_input);
   }
-  const bool has_bias = primals.size() > (input_side ? 5u : 4u);
+  const bool has_bias = primals.size() > gate_bias_at(loop);
   std::vector<mx::Shape> shapes = {{n, 3 * h}, {n, 3 * h}, {b, h}, {3 * h}};  // b_hh's gradient summed in the loop
   if (has_bias) shapes.push_back({3 * h});                                     // and the bias's (kSumBias)
   auto d = run_loop("GRUSequenceBackward", gru_backward, shapes,
