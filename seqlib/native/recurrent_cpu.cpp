@@ -1290,6 +1290,12 @@ class GateRows {
 // the rest is the loop's memory traffic (the other thread's rows of d_gates, the L2 shared with the packed
 // weights and the activations streaming through).  Asking L1 for the next tile's sums, and copying each step's
 // sources to rows of 144 floats (against cache-set conflicts of 512-byte rows), changed nothing measurable.
+// Not kept: each thread adding the outer products of its own rows of the step, for every gate row, into its own copy
+// of the gradients (summed after the loop), the team then never meeting in the loop.  Layer forward+backward at
+// that shape, interleaved builds, that loop against this one: GRU 0.92-0.94, LSTM 1.00 (its copies, 512 KB a
+// thread, crowd L2).  But its sums depend on how the team splits the rows, where every team now gives the bits of
+// one thread (test_native: packed loops shared among threads).  With the split fixed at two halves of the rows,
+// each summed apart, the gain went wherever a thread held both halves, as one thread would: GRU 0.99, LSTM 1.07.
 
 #if defined(__AVX512F__)
 constexpr int kOuterAccumulators = 24, kOuterVectors = 4;  // of 32 registers: 4 loads, 6 broadcasts, 24 FMAs
