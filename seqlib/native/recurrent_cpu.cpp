@@ -1296,6 +1296,9 @@ class GateRows {
 // thread, crowd L2).  But its sums depend on how the team splits the rows, where every team now gives the bits of
 // one thread (test_native: packed loops shared among threads).  With the split fixed at two halves of the rows,
 // each summed apart, the gain went wherever a thread held both halves, as one thread would: GRU 0.99, LSTM 1.07.
+// Even or slower as well (GRU, LSTM): each thread demoting to L3 (cldemote), after its gate math, the lines of its
+// rows that the other thread's gradients read, 1.02, 1.02; blocks of 2 vectors of gate columns, 1.03, 1.02, or 6
+// (tiles of 4 source columns), 0.98, 1.19.
 
 #if defined(__AVX512F__)
 constexpr int kOuterAccumulators = 24, kOuterVectors = 4;  // of 32 registers: 4 loads, 6 broadcasts, 24 FMAs
