@@ -741,6 +741,20 @@ def test_take_rows_copies_rows_bit_for_bit():
 
 
 @linux_only
+def test_take_rows_written_past_the_caches_keeps_every_bit():
+    """An output larger than the threads' L2 (64 MB here: up to 32 cores of 2 MB) is written with non-temporal
+    stores where the build has AVX: rows of every width start anywhere within a cache line, and lines shared by two
+    rows, the partial ones at either end of each, must come through as whole as the rest."""
+    rng = np.random.default_rng(2)
+    for width in (3, 16, 17, 301):
+        table = rng.standard_normal((1000, width)).astype(np.float32)
+        table.view(np.uint32)[:, 0] = 0x7FC00001 + np.arange(1000, dtype=np.uint32)  # NaNs with payloads
+        picks = rng.integers(0, 1000, (64 << 20) // (4 * width)).astype(np.int32)
+        rows = native.extension().take_rows(mx.array(table), mx.array(picks))
+        assert np.array(rows).tobytes() == table[picks].tobytes(), width
+
+
+@linux_only
 @settings(max_examples=30, deadline=None)
 @given(shape=st.lists(st.integers(0, 6), min_size=2, max_size=4), strided=st.booleans(), seed=st.integers(0, 1000))
 def test_a_batch_first_input_is_copied_time_major_bit_for_bit(shape, strided, seed):

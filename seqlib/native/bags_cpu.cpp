@@ -175,18 +175,25 @@ void pool_forward(std::vector<mx::array>& ins, std::vector<mx::array>& outs, con
   });
 }
 
-// ins: table (V, D), indices (N,); outs: rows (N, D), rows[i] = table[indices[i]] bit for bit
+// ins: table (V, D), indices (N,); outs: rows (N, D), rows[i] = table[indices[i]] bit for bit; rows that outgrow
+// the caches written past them (seqlib_cpu::streams_output)
 void gather(std::vector<mx::array>& ins, std::vector<mx::array>& outs, const Bag&) {
   check_layout(ins[1], nullptr, ins[0].shape(0));
   const float* table = ins[0].data<float>();
   const int32_t* indices = ins[1].data<int32_t>();
   float* rows = outs[0].data<float>();
   const int64_t dim = ins[0].shape(1), count = ins[1].size();
+  const bool streams = seqlib_cpu::streams_output(int64_t{4} * count * dim);
   parallel_for(count, count * dim, [&](int64_t first, int64_t end) {
     for (int64_t i = first; i < end; ++i) {
       if (i + kAhead < end) prefetch(table + indices[i + kAhead] * dim, dim);
-      std::memcpy(rows + i * dim, table + indices[i] * dim, sizeof(float) * dim);
+      if (streams) {
+        seqlib_cpu::copy_streaming(rows + i * dim, table + indices[i] * dim, dim);
+      } else {
+        std::memcpy(rows + i * dim, table + indices[i] * dim, sizeof(float) * dim);
+      }
     }
+    if (streams) seqlib_cpu::stream_fence();
   });
 }
 

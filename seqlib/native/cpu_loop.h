@@ -13,6 +13,11 @@
 #include <pthread.h>
 #include <sched.h>
 #include <sys/mman.h>
+#include <unistd.h>
+
+#if defined(__AVX512F__) || defined(__AVX__)
+#include <immintrin.h>
+#endif
 
 #include <algorithm>
 #include <atomic>
@@ -20,6 +25,7 @@
 #include <cfenv>
 #include <cstdint>
 #include <cstdlib>
+#include <cstring>
 #include <limits>
 #include <memory>
 #include <mutex>
@@ -197,6 +203,19 @@ inline void spin_pause() {
 #elif defined(__aarch64__)
   asm volatile("yield");
 #endif
+}
+
+// A core's L2 in bytes, as the C library reports it (1 MB where it does not).
+inline int64_t l2_bytes() {
+  static const int64_t bytes = [] {
+#if defined(_SC_LEVEL2_CACHE_SIZE)  // glibc's; macOS has none
+    const long reported = sysconf(_SC_LEVEL2_CACHE_SIZE);
+#else
+    const long reported = 0;
+#endif
+    return reported > 0 ? int64_t{reported} : int64_t{1} << 20;
+  }();
+  return bytes;
 }
 
 // Threads a loop may use: the CPUs this process may run on, at most OMP_NUM_THREADS where that is set.
@@ -415,6 +434,47 @@ void parallel_for(int64_t count, int64_t work, Body body) {
     }
   };
   run_parallel(static_cast<int>(threads), [&](int) { take_chunks(); });
+}
+
+// Whether a loop writing `bytes` of output should write it past the caches (copy_streaming): where it outgrows the
+// L2 of every thread that may write it, so that its lines would only evict what the loop reads, and each would be
+// read from memory before it is written (a read for ownership), a third of the traffic of a copy.  Embedding's gather
+// (TakeRows), rows of 300 floats from a 60 MB table, 2-core AVX-512 Xeon (2 MB of L2 a core), streamed against
+// plain stores, interleaved builds: 38 MB 0.57-0.60 of the time, and 0.80 with a sum of the rows read after it;
+// 7.7 MB 0.71 (0.91); 1.9 MB 0.86 but 1.18 with the sum; 0.5 MB 1.27 (1.60).
+inline bool streams_output(int64_t bytes) { return bytes > l2_bytes() * thread_budget(); }
+
+// dst[0, count) = src[0, count), bit for bit: the whole 64-byte lines of dst written with non-temporal stores where
+// the build has AVX or AVX-512 (the line is not read first, and does not stay in cache), the partial lines at
+// either end, and every line elsewhere, with memcpy.  A thread calls stream_fence() after its last copy, before the
+// loop's output is read.
+inline void copy_streaming(float* dst, const float* src, int64_t count) {
+#if defined(__AVX512F__) || defined(__AVX__)
+  const auto address = reinterpret_cast<uintptr_t>(dst);
+  if (address % sizeof(float) == 0) {
+    const int64_t head = std::min<int64_t>(count, (64 - address % 64) % 64 / sizeof(float));
+    std::memcpy(dst, src, sizeof(float) * head);
+    int64_t i = head;
+    for (; i + 16 <= count; i += 16) {
+#if defined(__AVX512F__)
+      _mm512_stream_ps(dst + i, _mm512_loadu_ps(src + i));
+#else
+      _mm256_stream_ps(dst + i, _mm256_loadu_ps(src + i));
+      _mm256_stream_ps(dst + i + 8, _mm256_loadu_ps(src + i + 8));
+#endif
+    }
+    std::memcpy(dst + i, src + i, sizeof(float) * (count - i));
+    return;
+  }
+#endif
+  std::memcpy(dst, src, sizeof(float) * count);
+}
+
+// Orders a thread's non-temporal stores (copy_streaming) before what it does next, such as telling the loop it is done.
+inline void stream_fence() {
+#if defined(__AVX512F__) || defined(__AVX__)
+  _mm_sfence();
+#endif
 }
 
 // The outputs (given shapes and dtypes) of one CpuLoop call on row-contiguous copies of its inputs.

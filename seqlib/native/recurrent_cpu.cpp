@@ -712,18 +712,7 @@ void pack_column_blocks(const float* w, int depth, int width, int first, int end
   }
 }
 
-// A core's L2 in bytes, as the C library reports it (1 MB where it does not).
-int64_t l2_bytes() {
-  static const int64_t bytes = [] {
-#if defined(_SC_LEVEL2_CACHE_SIZE)  // glibc's; macOS has none
-    const long reported = sysconf(_SC_LEVEL2_CACHE_SIZE);
-#else
-    const long reported = 0;
-#endif
-    return reported > 0 ? int64_t{reported} : int64_t{1} << 20;
-  }();
-  return bytes;
-}
+using seqlib_cpu::l2_bytes;
 
 // Lines of data that a tile asks L2 for while it multiplies, one per k (its first `lines` k): the next chunk's
 // weights, which the next tiles will read (rows_product).
