@@ -440,14 +440,14 @@ void parallel_for(int64_t count, int64_t work, Body body) {
 // L2 of every thread that may write it, so that its lines would only evict what the loop reads, and each would be
 // read from memory before it is written (a read for ownership), a third of the traffic of a copy.  Embedding's gather
 // (TakeRows), rows of 300 floats from a 60 MB table, 2-core AVX-512 Xeon (2 MB of L2 a core), streamed against
-// plain stores, interleaved builds: 38 MB 0.57-0.60 of the time, and 0.80 with a sum of the rows read after it;
+// plain stores, interleaved builds: 38 MB 0.54-0.60 of the time, and 0.80 with a sum of the rows read after it;
 // 7.7 MB 0.71 (0.91); 1.9 MB 0.86 but 1.18 with the sum; 0.5 MB 1.27 (1.60).
 inline bool streams_output(int64_t bytes) { return bytes > l2_bytes() * thread_budget(); }
 
 // dst[0, count) = src[0, count), bit for bit: the whole 64-byte lines of dst written with non-temporal stores where
-// the build has AVX or AVX-512 (the line is not read first, and does not stay in cache), the partial lines at
-// either end, and every line elsewhere, with memcpy.  A thread calls stream_fence() after its last copy, before the
-// loop's output is read.
+// the build has AVX or AVX-512 (the line is not read first, and does not stay in cache); with memcpy the partial
+// lines at either end, and every line where the build has neither.  A thread calls stream_fence() after its last
+// copy, before the loop's output is read.
 inline void copy_streaming(float* dst, const float* src, int64_t count) {
 #if defined(__AVX512F__) || defined(__AVX__)
   const auto address = reinterpret_cast<uintptr_t>(dst);
