@@ -450,24 +450,22 @@ inline bool streams_output(int64_t bytes) { return bytes > l2_bytes() * thread_b
 // copy, before the loop's output is read.
 inline void copy_streaming(float* dst, const float* src, int64_t count) {
 #if defined(__AVX512F__) || defined(__AVX__)
-  const auto address = reinterpret_cast<uintptr_t>(dst);
-  if (address % sizeof(float) == 0) {
-    const int64_t head = std::min<int64_t>(count, (64 - address % 64) % 64 / sizeof(float));
-    std::memcpy(dst, src, sizeof(float) * head);
-    int64_t i = head;
-    for (; i + 16 <= count; i += 16) {
+  const auto address = reinterpret_cast<uintptr_t>(dst);  // a float's: a multiple of 4
+  const int64_t head = std::min<int64_t>(count, (64 - address % 64) % 64 / sizeof(float));
+  std::memcpy(dst, src, sizeof(float) * head);
+  int64_t i = head;
+  for (; i + 16 <= count; i += 16) {
 #if defined(__AVX512F__)
-      _mm512_stream_ps(dst + i, _mm512_loadu_ps(src + i));
+    _mm512_stream_ps(dst + i, _mm512_loadu_ps(src + i));
 #else
-      _mm256_stream_ps(dst + i, _mm256_loadu_ps(src + i));
-      _mm256_stream_ps(dst + i + 8, _mm256_loadu_ps(src + i + 8));
+    _mm256_stream_ps(dst + i, _mm256_loadu_ps(src + i));
+    _mm256_stream_ps(dst + i + 8, _mm256_loadu_ps(src + i + 8));
 #endif
-    }
-    std::memcpy(dst + i, src + i, sizeof(float) * (count - i));
-    return;
   }
-#endif
+  std::memcpy(dst + i, src + i, sizeof(float) * (count - i));
+#else
   std::memcpy(dst, src, sizeof(float) * count);
+#endif
 }
 
 // Orders a thread's non-temporal stores (copy_streaming) before what it does next, such as telling the loop it is done.

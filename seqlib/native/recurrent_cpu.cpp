@@ -51,8 +51,6 @@
 #include <utility>
 #include <vector>
 
-#include <unistd.h>
-
 #include <nanobind/nanobind.h>
 #include <nanobind/stl/optional.h>
 #include <nanobind/stl/string.h>
