@@ -56,6 +56,7 @@ class BlasStatus:
     routed: bool  # True when MLX's GEMM calls reach OpenBLAS through the shim
     reason: str  # one sentence on why (or why not)
     shim_path: str | None = None
+    kernels: str | None = None  # the OpenBLAS kernels that run (its core name, "SkylakeX", "Haswell"), when routed
 
 
 status = BlasStatus(routed=False, reason="not routed: call seqlib.route_mlx_blas() (or set SEQLIB_BLAS=1)")
@@ -120,6 +121,16 @@ def load_shim() -> ctypes.CDLL:
     return _shim
 
 
+def _openblas_kernels() -> str | None:
+    """The name of the loaded OpenBLAS's kernels for this CPU (``openblas_get_corename``), if it says."""
+    openblas = ctypes.CDLL(os.path.join(_openblas_dir(), "libscipy_openblas.so"))  # the copy already loaded
+    corename = getattr(openblas, "scipy_openblas_get_corename", None)
+    if corename is None:
+        return None
+    corename.restype = ctypes.c_char_p
+    return corename().decode()
+
+
 def _mlx_calls_the_shim(shim: ctypes.CDLL) -> bool:
     """Run one small MLX matmul and see whether it went through the shim."""
     import mlx.core as mx
@@ -168,7 +179,7 @@ def route_mlx_blas() -> BlasStatus:
         return _give_up(f"the loaded libmlx.so's BLAS could not be rebound ({error})")
     if _mlx_calls_the_shim(shim):
         status = BlasStatus(True, "MLX's cblas_*gemm calls go to OpenBLAS (rebound by seqlib.route_mlx_blas)",
-                            str(shim._name))  # fmt: skip
+                            str(shim._name), _openblas_kernels())  # fmt: skip
         return status
     return _give_up("MLX did not call the shim's cblas_sgemm")
 

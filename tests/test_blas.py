@@ -159,6 +159,29 @@ def test_the_environment_variable_turns_routing_off_silently():
     assert "SEQLIB_BLAS=0" in result.stdout
 
 
+@linux_only
+@pytest.mark.parametrize("coretype", [None, "Haswell", "Sandybridge"])
+def test_the_status_names_the_openblas_kernels_that_run(coretype):
+    """blas_status().kernels is the loaded OpenBLAS's own name for its kernels, so that a benchmark can say which
+    ran; where OPENBLAS_CORETYPE chooses them (as on machines whose older OpenBLAS builds misjudge the CPU), the
+    chosen ones.  The name is what the same library says when loaded on its own in a fresh process."""
+    probe = """
+        import ctypes, os, scipy_openblas32
+        lib = ctypes.CDLL(os.path.join(scipy_openblas32.get_lib_dir(), "libscipy_openblas.so"))
+        lib.scipy_openblas_get_corename.restype = ctypes.c_char_p
+        print(lib.scipy_openblas_get_corename().decode())
+    """
+    env = {k: v for k, v in os.environ.items() if k != "OPENBLAS_CORETYPE"}
+    env |= {"OPENBLAS_CORETYPE": coretype} if coretype else {}
+    codes = (probe, "import seqlib; print(seqlib.route_mlx_blas().kernels)")
+    alone, routed = (subprocess.run([sys.executable, "-c", textwrap.dedent(code)], env=env, capture_output=True,
+                                    text=True, timeout=300) for code in codes)
+    assert alone.returncode == 0 and routed.returncode == 0, alone.stderr + routed.stderr
+    assert routed.stdout.strip() == alone.stdout.strip() and routed.stdout.strip()
+    if coretype is not None:
+        assert routed.stdout.strip().lower() == coretype.lower()
+
+
 IMPORT_ALONE = """
     import ctypes, json, os
     import mlx.core as mx

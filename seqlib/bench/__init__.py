@@ -114,7 +114,11 @@ def print_versions() -> None:
     import seqlib
 
     print(f"CPU: {cpu_vector_extensions()}, {os.cpu_count()} logical cores")
-    print(f"seqlib {seqlib.__version__}, MLX {mx.__version__}, BLAS routed: {seqlib.blas_status().routed}, "
+    blas = seqlib.blas_status()
+    forced = {name: os.environ[name] for name in ("OPENBLAS_CORETYPE", "OPENBLAS_L2_SIZE") if name in os.environ}
+    chosen = f", chosen by {' '.join(f'{name}={value}' for name, value in forced.items())}" if forced else ""
+    kernels = f" (OpenBLAS's {blas.kernels} kernels{chosen})" if blas.kernels else ""
+    print(f"seqlib {seqlib.__version__}, MLX {mx.__version__}, BLAS routed: {blas.routed}{kernels}, "
           f"C++ CPU primitives: {seqlib.native.available()} ({seqlib.native.reason()})")  # fmt: skip
     if _cache_limits:
         print(f"MLX buffer cache limit raised from {_cache_limits[0] >> 20} MB to {_cache_limits[1] >> 20} MB "
