@@ -271,6 +271,13 @@ inline int64_t threaded_blas_calls() {
 // 1.07-1.20 (0.5-0.6 ms called back to back; torch 1.2-1.8); batch shapes unchanged.  A worker that catches
 // its job during the watch stays where it is: moving it then too made 50 streamed GRU steps at H = 512 slower
 // in two runs of three (236-316 us a step against 158-171).
+//
+// A watching worker yields its CPU (sched_yield) every kCheckEvery pauses, to a thread of the process that the kernel
+// woke onto it: on a 2-core Zen 5 virtual machine the Python thread, between streamed steps, often landed on the
+// watching worker's CPU and waited there for a scheduler slice while the other CPU idled.  50 streamed steps at H =
+// 512, each after the harness's settle, medians of 11 streams, us a step, eight processes without / five with:
+// LSTMCell 102-471 / 140-143, its 8-bit form 101-459 / 113-115, GRUCell 106-396 / 108-113; layers' forward and
+// forward+backward at the shapes, interleaved builds, 0.96-1.07 (noise).
 class Workers {
  public:
   // A type-erased body(part).
@@ -317,6 +324,7 @@ class Workers {
               watched = sleeper->posted.load(std::memory_order_relaxed) != taken;
               break;
             }
+            if (spins % kCheckEvery == 0) sched_yield();  // a thread of the process woken onto this CPU runs now
             spin_pause();
           }
           watching_.fetch_sub(1, std::memory_order_relaxed);

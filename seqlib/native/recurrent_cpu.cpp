@@ -2418,6 +2418,14 @@ std::vector<mx::array> step_now(seqlib_cpu::CpuLoop<Loop>::Runner runner, std::v
 // H = 256, 107 and 54.
 constexpr size_t kStepBytesPerThread = size_t{1} << 19;
 
+// On a 2-core Zen 5 virtual machine one core streams an LSTMCell's 8 MB at H = 512 from L3 at about 80 GB/s, and one
+// thread is as fast as the team or faster: 50 streamed steps, each after the benchmark harness's settle, alternated
+// processes, us a step, one thread / this team (workers yielding in their watch, Workers): LSTMCell 118-128 /
+// 140-143, its 8-bit form 100-105 / 113-115, GRUCell 90-99 / 108-113 (the team's fastest streams 70-85).  Measured
+// and not kept: choosing by timing both (each size of step's first 16 calls alternately on one thread and on the
+// team, the one with less time in all, tried again every 1,024 calls) gave 130-154 / 111-118 / 108-131: the team's
+// fast and slow phases each last whole streams, so a trial can catch either.  A Sapphire Rapids core reads L3 at
+// a quarter of that rate, and there the team paid (above).
 // body(first, end) on each thread of a team for its share of `width` rows (in fours, the rows that
 // quantized_rows and dot_rows take at once; the last thread takes the rest): a thread per
 // kStepBytesPerThread of `bytes` (the weights the products read), at most one per 64 rows.
