@@ -24,8 +24,10 @@ from seqlib import kernels, native, scan
 linux_only = pytest.mark.skipif(sys.platform != "linux", reason="the primitives are built on Linux only")
 # The ops path's custom function, traced by mx.vjp, runs its gate math with mx.tanh; the primitives use
 # fast_tanh (within 3.8e-7): outputs agree to a few 1e-7, and weight gradients, sums over every row, to
-# a few 1e-6 of the terms they add up.
-TOLERANCE = {"rtol": 1e-5, "atol": 2e-6}
+# a few 1e-6 of the terms they add up.  Where the products sum in other orders, twelve steps of a recurrence carry
+# the rounding on: on a 2-core Zen 5 with OpenBLAS's AVX2 ("Haswell") kernels against the packed loops' AVX-512
+# tiles, GRUs at H = 48 and 64 differed by up to 5.0e-6 at one entry in 7,872 or 11,136 (values of 0.06-0.15).
+TOLERANCE = {"rtol": 1e-5, "atol": 5e-6}
 GRADIENT_TOLERANCE = {"rtol": 1e-4, "atol": 2e-5}
 
 
