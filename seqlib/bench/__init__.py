@@ -116,7 +116,8 @@ def print_versions() -> None:
     print(f"CPU: {cpu_vector_extensions()}, {os.cpu_count()} logical cores")
     blas = seqlib.blas_status()
     forced = {name: os.environ[name] for name in ("OPENBLAS_CORETYPE", "OPENBLAS_L2_SIZE") if name in os.environ}
-    chosen = f", chosen by {' '.join(f'{name}={value}' for name, value in forced.items())}" if forced else ""
+    settings = " ".join(f"{name}={value}" for name, value in forced.items())
+    chosen = f", set in the environment: {settings}" if forced else ""
     kernels = f" (OpenBLAS's {blas.kernels} kernels{chosen})" if blas.kernels else ""
     print(f"seqlib {seqlib.__version__}, MLX {mx.__version__}, BLAS routed: {blas.routed}{kernels}, "
           f"C++ CPU primitives: {seqlib.native.available()} ({seqlib.native.reason()})")  # fmt: skip
