@@ -186,6 +186,23 @@ inline Vec clipped(Vec x, Vec value, float clip) {
   const __mmask16 low = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-clip), _CMP_LT_OQ);
   return _mm512_mask_blend_ps(high, _mm512_mask_blend_ps(low, value, _mm512_set1_ps(-1.0f)), _mm512_set1_ps(1.0f));
 }
+// r[0..16) as the rows of a 16 x 16 tile, replaced by its columns: r[j][i] = r[i][j] before.  Lanes swap in
+// pairs, then in pairs of pairs within each 128-bit quarter, then the quarters among groups of four registers.
+inline void transpose(Vec r[kLanes]) {
+  Vec t[kLanes];
+  for (int i = 0; i < 16; i += 2) t[i] = _mm512_unpacklo_ps(r[i], r[i + 1]), t[i + 1] = _mm512_unpackhi_ps(r[i], r[i + 1]);
+  for (int i = 0; i < 16; i += 4) {
+    r[i] = _mm512_shuffle_ps(t[i], t[i + 2], 0x44), r[i + 1] = _mm512_shuffle_ps(t[i], t[i + 2], 0xEE);
+    r[i + 2] = _mm512_shuffle_ps(t[i + 1], t[i + 3], 0x44), r[i + 3] = _mm512_shuffle_ps(t[i + 1], t[i + 3], 0xEE);
+  }
+  for (int i = 0; i < 8; ++i) {
+    const int a = i / 4 * 8 + i % 4;
+    t[a] = _mm512_shuffle_f32x4(r[a], r[a + 4], 0x88), t[a + 4] = _mm512_shuffle_f32x4(r[a], r[a + 4], 0xDD);
+  }
+  for (int i = 0; i < 8; ++i) {
+    r[i] = _mm512_shuffle_f32x4(t[i], t[i + 8], 0x88), r[i + 8] = _mm512_shuffle_f32x4(t[i], t[i + 8], 0xDD);
+  }
+}
 #else
 using Vec = __m256;
 constexpr int kLanes = 8;
@@ -205,6 +222,18 @@ inline Vec clipped(Vec x, Vec value, float clip) {
   const Vec high = _mm256_cmp_ps(x, _mm256_set1_ps(clip), _CMP_GT_OQ);
   const Vec low = _mm256_cmp_ps(x, _mm256_set1_ps(-clip), _CMP_LT_OQ);
   return _mm256_blendv_ps(_mm256_blendv_ps(value, _mm256_set1_ps(-1.0f), low), _mm256_set1_ps(1.0f), high);
+}
+// r[0..8) as the rows of an 8 x 8 tile, replaced by its columns: r[j][i] = r[i][j] before.
+inline void transpose(Vec r[kLanes]) {
+  Vec t[kLanes], q[kLanes];
+  for (int i = 0; i < 8; i += 2) t[i] = _mm256_unpacklo_ps(r[i], r[i + 1]), t[i + 1] = _mm256_unpackhi_ps(r[i], r[i + 1]);
+  for (int i = 0; i < 8; i += 4) {
+    q[i] = _mm256_shuffle_ps(t[i], t[i + 2], 0x44), q[i + 1] = _mm256_shuffle_ps(t[i], t[i + 2], 0xEE);
+    q[i + 2] = _mm256_shuffle_ps(t[i + 1], t[i + 3], 0x44), q[i + 3] = _mm256_shuffle_ps(t[i + 1], t[i + 3], 0xEE);
+  }
+  for (int i = 0; i < 4; ++i) {
+    r[i] = _mm256_permute2f128_ps(q[i], q[i + 4], 0x20), r[i + 4] = _mm256_permute2f128_ps(q[i], q[i + 4], 0x31);
+  }
 }
 #endif
 }  // namespace simd
@@ -676,8 +705,10 @@ class AlignedFloats {
 };
 
 // Blocks [first, end) of w (G H, K), G = gates: 4 (LSTM) or 3 (GRU), packed into (blocks, K, G kUnits):
-// packed[b][k][g kUnits + u] = w[g H + kUnits b + u][k]; zero past H.  Row k of a block is written whole, from
-// one float of each of its source rows.
+// packed[b][k][g kUnits + u] = w[g H + kUnits b + u][k]; zero past H.  A gate's kUnits rows of a block are one
+// run of w: read kUnits floats of each at a time, transposed in registers, written as kUnits rows of its slot.
+// (One float at a time, k by k across the rows, waited on memory: 0.55 ms against 0.27 for w_hh at H = 650 on
+// one Zen 5 core, from L3; 1.49 against 0.67 from DRAM.)
 // w is w_hh (K = H) or, where an LSTM's or a GRU's loop computes its input side, w_ih (K = D).
 // Each thread of a packed loop packs the blocks it multiplies by (they then sit in its own caches).
 void pack_gate_blocks(const float* w, int hidden, int depth, int gates, int first, int end, float* packed) {
@@ -685,13 +716,16 @@ void pack_gate_blocks(const float* w, int hidden, int depth, int gates, int firs
   for (int b = first; b < end; ++b) {
     const int units = std::min(kUnits, hidden - b * kUnits);
     float* block = packed + static_cast<size_t>(b) * depth * width;
-    for (int k = 0; k < depth; ++k) {
-      float* row = block + static_cast<size_t>(k) * width;
-      for (int g = 0; g < gates; ++g) {
-        const float* source = w + (static_cast<size_t>(g) * hidden + static_cast<size_t>(b) * kUnits) * depth + k;
+    for (int g = 0; g < gates; ++g) {
+      const float* rows = w + (static_cast<size_t>(g) * hidden + static_cast<size_t>(b) * kUnits) * depth;
+      for (int k = 0; k < depth; k += kUnits) {
+        const int count = std::min(kUnits, depth - k);
+        Vec tile[kUnits];  // rows u of w, floats k .. k + count, then columns k .. k + count of them
         for (int u = 0; u < kUnits; ++u) {
-          row[g * kUnits + u] = u < units ? source[static_cast<size_t>(u) * depth] : 0.0f;
+          tile[u] = u < units ? simd::load(rows + static_cast<size_t>(u) * depth + k, count) : simd::broadcast(0.0f);
         }
+        simd::transpose(tile);
+        for (int j = 0; j < count; ++j) simd::store(block + static_cast<size_t>(k + j) * width + g * kUnits, tile[j]);
       }
     }
   }
