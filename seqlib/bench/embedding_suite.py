@@ -117,11 +117,11 @@ def bag_cases(vocab: int, dim: int, num_bags: int, max_len: int) -> list[Case]:
         "mlx ops": lambda: _evaluated(_plain_mlx_bag_mean(bag.weight, ids, bag_of_id, counts, num_bags)),
     }
     dense_backward = {
-        "seqlib EmbeddingBag": lambda: _evaluated(nn.value_and_grad(bag, loss)(bag)[1]["weight"]),
-        "mlx ops": lambda: _evaluated(mx.grad(plain_loss)(bag.weight)),
+        "seqlib EmbeddingBag": lambda: _evaluated_step(nn.value_and_grad(bag, loss)(bag)),
+        "mlx ops": lambda: _evaluated_step(mx.value_and_grad(plain_loss)(bag.weight)),
     }
     sparse_backward = {
-        "seqlib sparse=True": lambda: _evaluated_sparse(seqlib.sparse.value_and_grad(sparse_bag, loss)(sparse_bag)),
+        "seqlib sparse=True": lambda: _evaluated_step(seqlib.sparse.value_and_grad(sparse_bag, loss)(sparse_bag)),
     }
     if HAVE_TORCH:
         _add_torch_bags(forward, dense_backward, sparse_backward, bag, ids_np, offsets_np, grad_out)
@@ -144,10 +144,14 @@ def _evaluated(array):
     return array
 
 
-def _evaluated_sparse(value_and_grads):
-    _, grads = value_and_grads
-    mx.eval(grads["weight"].indices, grads["weight"].values)
-    return grads["weight"]
+def _evaluated_step(value_and_grads):
+    """The loss and the table's gradient of a training step, both evaluated, as torch's backward computes both:
+    MLX evaluates only what is asked for, and a bag's gradient does not need its output (the forward).  The
+    gradient (an array, or a SparseGradient) is returned, for the check."""
+    value, grads = value_and_grads
+    grad = grads["weight"] if isinstance(grads, dict) else grads
+    mx.eval(value, *((grad.indices, grad.values) if isinstance(grad, seqlib.sparse.SparseGradient) else (grad,)))
+    return grad
 
 
 def _add_torch_bags(forward, dense_backward, sparse_backward, bag, ids_np, offsets_np, grad_out):

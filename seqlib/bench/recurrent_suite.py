@@ -110,9 +110,10 @@ def _mlx_implementations(layer, x_batch_first, weights, backward: bool):
         layer.update(parameters)
         return (output_of(x) * weights).sum()
 
-    def forward_backward():
-        parameter_grads, input_grad = mx.grad(loss, argnums=(0, 1))(layer.trainable_parameters(), x_batch_first)
-        mx.eval(parameter_grads, input_grad)
+    def forward_backward():  # the loss evaluated too, as torch computes it: MLX evaluates only what is asked for
+        value, (parameter_grads, input_grad) = mx.value_and_grad(loss, argnums=(0, 1))(
+            layer.trainable_parameters(), x_batch_first)  # fmt: skip
+        mx.eval(value, parameter_grads, input_grad)
         return input_grad
 
     return forward_backward if backward else forward
