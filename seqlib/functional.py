@@ -300,7 +300,7 @@ def _pool_buckets(rows: mx.array, entry_weights: mx.array | None, shapes: list[t
     reduces each.  The backward is written out by hand: autodiff through
     ``mx.split`` would build a full (N', D) gradient for every block (0.9 s for 40
     buckets at N'=85k, D=128), whereas every entry's gradient is simply its bag's
-    output gradient, times its weight (``sum``) or divided by the bag size (``mean``),
+    output gradient, times its weight (``sum``) or 1 / the bag size (``mean``),
     or sent to the arg-max entry alone (``max``).
     """
     num_rows, embedding_dim = rows.shape
@@ -330,7 +330,7 @@ def _pool_buckets(rows: mx.array, entry_weights: mx.array | None, shapes: list[t
         no_weight_grad = mx.zeros_like(entry_weights)
         if mode == "mean":
             bag_size = mx.array(np.repeat(lengths, lengths).astype(np.float32))[:, None]
-            return spread / bag_size, no_weight_grad
+            return spread * (1 / bag_size), no_weight_grad  # times 1 / size, as torch's backward (and its bits)
         if not weighted:
             return spread, no_weight_grad
         return spread * entry_weights[:, None], mx.sum(spread * rows, axis=1)

@@ -293,12 +293,15 @@ def _differentiate(model, tables, unique_rows, fn, args, kwargs):
     """Second run: gradients of the dense parameters and of the gathered rows."""
     states = [_Rows(unique, table.weight.shape[0], lookups=len(table.sparse_recording.calls))  # the first run's
               for (_, table), unique in zip(tables, unique_rows, strict=True)]  # fmt: skip
-    rows = [_gather_rows(table.weight, unique) for (_, table), unique in zip(tables, unique_rows, strict=True)]
+    arguments, rows_of = [], []  # what is differentiated for each table, and the rows its lookups read from it
+    for (_, table), unique in zip(tables, unique_rows, strict=True):
+        argument, rows = _row_argument(table.weight, unique)
+        arguments.append(argument), rows_of.append(rows)
 
-    def loss_of(dense_params, table_rows):
+    def loss_of(dense_params, table_arguments):
         model.update(dense_params)
-        for (_, table), state, gathered in zip(tables, states, table_rows, strict=True):
-            state.rows = gathered
+        for (_, table), state, argument, rows in zip(tables, states, table_arguments, rows_of, strict=True):
+            state.rows = rows(argument)
             table.sparse_recording = state
         return fn(*args, **kwargs)
 
@@ -306,7 +309,7 @@ def _differentiate(model, tables, unique_rows, fn, args, kwargs):
         table.freeze(keys=["weight"])
     try:
         value, (dense_grads, row_grads) = mx.value_and_grad(loss_of, argnums=(0, 1))(
-            model.trainable_parameters(), rows
+            model.trainable_parameters(), arguments
         )
     finally:
         for _, table in tables:
@@ -314,11 +317,18 @@ def _differentiate(model, tables, unique_rows, fn, args, kwargs):
     return value, dense_grads, row_grads
 
 
-def _gather_rows(weight: mx.array, unique: np.ndarray) -> mx.array:
-    """The rows ``unique`` (checked by :func:`_record_rows`); one unread zero row when there are none."""
-    if unique.size == 0:  # MLX cannot differentiate a lookup into a (0, D) array; this row's gradient is dropped
-        return mx.zeros((1, weight.shape[1]), weight.dtype)
+def _row_argument(weight: mx.array, unique: np.ndarray):
+    """What the second run differentiates for a table whose rows ``unique`` (checked by :func:`_record_rows`) are
+    read, (U, D), and the function from it to the rows the lookups read.
+
+    Where seqlib.native serves, a broadcast of zeros (no memory) and seqlib.native's ``sparse_rows`` of it: the
+    rows ``weight[unique]``, which the native bag and gather read from ``weight`` itself, so that they are never
+    copied out (see ``sparse_rows`` in bags_cpu.cpp); elsewhere the gathered rows themselves.  With no rows read,
+    one unread zero row (MLX cannot differentiate a lookup into a (0, D) array; its gradient is dropped)."""
+    if unique.size == 0:
+        return mx.zeros((1, weight.shape[1]), weight.dtype), lambda rows: rows
     rows = mx.array(unique.astype(np.int32))
     if native.serves(weight.dtype):
-        return native.extension().take_rows(weight, rows)  # MLX's CPU gather moves a float in about 4 ns
-    return mx.take(weight, rows, axis=0)
+        delta = mx.broadcast_to(mx.array(0, weight.dtype), (unique.size, weight.shape[1]))
+        return delta, lambda delta: native.extension().sparse_rows(weight, rows, delta)
+    return mx.take(weight, rows, axis=0), lambda rows: rows

@@ -78,6 +78,45 @@ def test_sparse_gradient_matches_torchs_coalesced_sparse_grad_and_the_dense_grad
     assert_close(grad.to_dense(), np.array(dense["bag"]["weight"]), what="sparse vs dense")
 
 
+class TwoTables(mlx.nn.Module):
+    """A sparse bag read twice (entry weights from a dense parameter, in sum mode) and a sparse Embedding: their
+    lookups read the table itself where seqlib.native serves, and every other path reads the gathered rows."""
+
+    def __init__(self, weight: np.ndarray, entries: int, mode: str, padding_idx, scale_grad_by_freq: bool):
+        super().__init__()
+        options = dict(freeze=False, sparse=True, padding_idx=padding_idx, scale_grad_by_freq=scale_grad_by_freq)
+        self.bag = seqlib.nn.EmbeddingBag.from_pretrained(mx.array(weight), mode=mode, **options)
+        self.table = seqlib.nn.Embedding.from_pretrained(mx.array(weight[::-1].copy()), **options)
+        self.entry_scale = mx.linspace(0.5, 1.5, entries) if mode == "sum" else None
+
+    def __call__(self, ids, offsets):
+        weights = None if self.entry_scale is None else self.entry_scale * 2.0
+        bags = self.bag(ids, offsets, per_sample_weights=weights) * 1.5 + self.bag(ids[::-1], offsets)
+        return bags, self.table(ids)
+
+
+@given(batches(), st.booleans())
+def test_sparse_rows_read_from_the_table_give_the_dense_gradients(batch, scale_grad_by_freq):
+    weight, ids, offsets, mode, padding_idx = batch
+    model = TwoTables(weight, len(ids), mode, padding_idx, scale_grad_by_freq)
+    rng = np.random.default_rng(len(ids))
+    bag_scale = mx.array(rng.standard_normal((len(offsets), weight.shape[1])).astype(np.float32))
+    row_scale = mx.array(rng.standard_normal((len(ids), weight.shape[1])).astype(np.float32))
+
+    def loss(model, ids, offsets):
+        bags, rows = model(ids, offsets)
+        return (bags * bag_scale).sum() + (rows * row_scale).sum()
+
+    arguments = (model, mx.array(ids), mx.array(offsets))
+    value, grads = seqlib.sparse.value_and_grad(model, loss)(*arguments)
+    dense_value, dense = mlx.nn.value_and_grad(model, loss)(*arguments)
+    assert_close(value, dense_value, what="loss")
+    for table in ("bag", "table"):
+        assert_close(grads[table]["weight"].to_dense(), dense[table]["weight"], what=f"{table}'s gradient")
+    if mode == "sum":
+        assert_close(grads["entry_scale"], dense["entry_scale"], what="entry weights' parameter gradient")
+
+
 def test_sparse_embedding_in_a_list_of_layers_keeps_its_place_in_the_tree():
     class Model(mlx.nn.Module):
         def __init__(self):

@@ -159,15 +159,9 @@ void pool_bag_range(const float* __restrict table, int64_t dim, const int32_t* _
   }
 }
 
-// ins: weight (V, D), indices (N,), bounds (B + 1,) [, entry_weights (N,)]; outs: pooled (B, D)
-void pool_forward(std::vector<mx::array>& ins, std::vector<mx::array>& outs, const Bag& bag) {
-  check_layout(ins[1], &ins[2], ins[0].shape(0));
-  const float* table = ins[0].data<float>();
-  const int32_t* indices = ins[1].data<int32_t>();
-  const int32_t* bounds = ins[2].data<int32_t>();
-  const float* entry_weights = bag.weighted ? ins[3].data<float>() : nullptr;
-  float* pooled = outs[0].data<float>();
-  const int64_t dim = ins[0].shape(1), bags = outs[0].shape(0);
+// Bags of `indices` (rows of table, dim columns) into pooled (B, D), on every core.
+void pool_bags(const float* table, int64_t dim, const int32_t* indices, const int32_t* bounds,
+               const float* entry_weights, const Bag& bag, int64_t bags, float* pooled) {
   auto range = bag.mode == kMax ? pool_bag_range<kMax> : (bag.mode == kMean ? pool_bag_range<kMean>
                                                                             : pool_bag_range<kSum>);
   parallel_for(bags, bounds[bags] * dim, [&](int64_t first_bag, int64_t end_bag) {
@@ -175,14 +169,17 @@ void pool_forward(std::vector<mx::array>& ins, std::vector<mx::array>& outs, con
   });
 }
 
-// ins: table (V, D), indices (N,); outs: rows (N, D), rows[i] = table[indices[i]] bit for bit; rows that outgrow
-// the caches written past them (seqlib_cpu::streams_output)
-void gather(std::vector<mx::array>& ins, std::vector<mx::array>& outs, const Bag&) {
-  check_layout(ins[1], nullptr, ins[0].shape(0));
-  const float* table = ins[0].data<float>();
-  const int32_t* indices = ins[1].data<int32_t>();
-  float* rows = outs[0].data<float>();
-  const int64_t dim = ins[0].shape(1), count = ins[1].size();
+// ins: weight (V, D), indices (N,), bounds (B + 1,) [, entry_weights (N,)]; outs: pooled (B, D)
+void pool_forward(std::vector<mx::array>& ins, std::vector<mx::array>& outs, const Bag& bag) {
+  check_layout(ins[1], &ins[2], ins[0].shape(0));
+  const float* entry_weights = bag.weighted ? ins[3].data<float>() : nullptr;
+  pool_bags(ins[0].data<float>(), ins[0].shape(1), ins[1].data<int32_t>(), ins[2].data<int32_t>(), entry_weights,
+            bag, outs[0].shape(0), outs[0].data<float>());
+}
+
+// rows[i] = table[indices[i]] bit for bit, count rows of dim floats, on every core; rows that outgrow the caches
+// written past them (seqlib_cpu::streams_output)
+void gather_rows(const float* table, int64_t dim, const int32_t* indices, int64_t count, float* rows) {
   const bool streams = seqlib_cpu::streams_output(int64_t{4} * count * dim);
   parallel_for(count, count * dim, [&](int64_t first, int64_t end) {
     for (int64_t i = first; i < end; ++i) {
@@ -195,6 +192,12 @@ void gather(std::vector<mx::array>& ins, std::vector<mx::array>& outs, const Bag
     }
     if (streams) seqlib_cpu::stream_fence();
   });
+}
+
+// ins: table (V, D), indices (N,) [, unread inputs]; outs: rows (N, D)
+void gather(std::vector<mx::array>& ins, std::vector<mx::array>& outs, const Bag&) {
+  check_layout(ins[1], nullptr, ins[0].shape(0));
+  gather_rows(ins[0].data<float>(), ins[0].shape(1), ins[1].data<int32_t>(), ins[1].size(), outs[0].data<float>());
 }
 
 // Max mode: the table row whose value won each column of bags [first_bag, end_bag), by the
@@ -294,7 +297,7 @@ EntriesByRange group_entries(const int32_t* indices, const int32_t* bounds, int6
 }
 
 // Sum and mean, one range's rows: each of its entries adds its bag's cotangent, times its weight
-// (sum) or divided by the bag's count (mean).
+// (sum) or 1 / the bag's count (mean).
 template <int kMode>
 void scatter_entries(int64_t dim, const int32_t* __restrict indices, const float* __restrict entry_weights,
                      const EntriesByRange& grouped, int64_t range, const float* __restrict cotangent,
@@ -303,9 +306,9 @@ void scatter_entries(int64_t dim, const int32_t* __restrict indices, const float
     const int32_t i = grouped.entry[k], b = grouped.bag[k];
     const float* __restrict grad = cotangent + b * dim;
     float* __restrict out = d_table + indices[i] * dim;
-    if (kMode == kMean) {
-      const float size = grouped.size[b];
-      for (int64_t d = 0; d < dim; ++d) out[d] += grad[d] / size;
+    if (kMode == kMean) {  // times 1 / size, as torch's backward scales (not divides): its bits, and no divide
+      const float scale = 1.0f / grouped.size[b];
+      for (int64_t d = 0; d < dim; ++d) out[d] += grad[d] * scale;
     } else if (entry_weights != nullptr) {
       const float scale = entry_weights[i];
       for (int64_t d = 0; d < dim; ++d) out[d] += grad[d] * scale;
@@ -328,15 +331,20 @@ void scatter_winners(int64_t dim, int64_t bags, const int32_t* __restrict winner
   }
 }
 
-// ins: cotangent (B, D), weight (V, D), indices (N,), bounds (B + 1,) [, entry_weights (N,)]
-// outs: d_weight (V, D) [, d_entry_weights (N,)]
+// Whether the backward reads the table: max mode (which row won each column) and entry weights (their gradients
+// are dot products with the rows).  Sum and mean need only its shape: they do not take it as an input, so that
+// the table's rows are not computed for them (seqlib.sparse's rows, sparse_rows below).
+bool reads_table(const Bag& bag) { return bag.mode == kMax || bag.weighted; }
+
+// ins: cotangent (B, D), indices (N,), bounds (B + 1,) [, entry_weights (N,)] [, table (V, D): reads_table]
+// outs: d_table (V, D) [, d_entry_weights (N,)]
 void pool_backward(std::vector<mx::array>& ins, std::vector<mx::array>& outs, const Bag& bag) {
-  check_layout(ins[2], &ins[3], ins[1].shape(0));
+  check_layout(ins[1], &ins[2], outs[0].shape(0));
   const float* cotangent = ins[0].data<float>();
-  const float* table = ins[1].data<float>();
-  const int32_t* indices = ins[2].data<int32_t>();
-  const int32_t* bounds = ins[3].data<int32_t>();
-  const float* entry_weights = bag.weighted ? ins[4].data<float>() : nullptr;
+  const int32_t* indices = ins[1].data<int32_t>();
+  const int32_t* bounds = ins[2].data<int32_t>();
+  const float* entry_weights = bag.weighted ? ins[3].data<float>() : nullptr;
+  const float* table = reads_table(bag) ? ins.back().data<float>() : nullptr;
   float* d_table = outs[0].data<float>();
   const int64_t rows = outs[0].shape(0), dim = outs[0].shape(1), bags = ins[0].shape(0), entries = bounds[bags];
   if (rows == 0 || dim == 0) {  // no table to scatter into; every entry weight's dot product is empty
@@ -406,21 +414,28 @@ std::vector<const mx::array*> with_weights(std::vector<const mx::array*> inputs,
   return inputs;
 }
 
+// The backward loop of bags of `indices` (into `rows` rows) for `cotangent`: d_rows (rows, D) [, d_entry_weights];
+// `table` (rows, D) is an input only where the loop reads it (reads_table).
+std::vector<mx::array> bag_backward(const mx::array& cotangent, const mx::array& indices, const mx::array& bounds,
+                                    const std::optional<mx::array>& entry_weights, const mx::array& table,
+                                    const Bag& bag) {
+  std::vector<mx::Shape> shapes = {table.shape()};
+  if (bag.weighted) shapes.push_back(entry_weights->shape());
+  std::vector<const mx::array*> inputs = with_weights({&cotangent, &indices, &bounds}, entry_weights);
+  if (reads_table(bag)) inputs.push_back(&table);
+  std::vector<mx::Dtype> dtypes(shapes.size(), mx::float32);
+  return seqlib_cpu::make_loop("EmbeddingBagPoolBackward", pool_backward, std::move(shapes), std::move(dtypes),
+                               inputs, bag);
+}
+
 // The forward's vector-Jacobian product: the backward loop (the table's gradient, and the entry
 // weights'); indices and bounds are integers and have none (zeros where MLX asks).
 // primals: weight, indices, bounds [, entry_weights]; cotangents: (B, D)
 std::vector<mx::array> pool_vjp(const Bag& bag, const std::vector<mx::array>& primals,
                                 const std::vector<mx::array>& cotangents, const std::vector<int>& argnums,
                                 const std::vector<mx::array>&) {
-  std::vector<mx::Shape> shapes = {primals[0].shape()};
-  std::vector<const mx::array*> inputs = {&cotangents[0], &primals[0], &primals[1], &primals[2]};
-  if (bag.weighted) {
-    shapes.push_back(primals[3].shape());
-    inputs.push_back(&primals[3]);
-  }
-  std::vector<mx::Dtype> dtypes(shapes.size(), mx::float32);
-  auto d = seqlib_cpu::make_loop("EmbeddingBagPoolBackward", pool_backward, std::move(shapes), std::move(dtypes),
-                                 inputs, bag);
+  const auto entry_weights = bag.weighted ? std::optional<mx::array>(primals[3]) : std::nullopt;
+  auto d = bag_backward(cotangents[0], primals[1], primals[2], entry_weights, primals[0], bag);
   std::vector<mx::array> grads;
   for (int argnum : argnums) {
     if (argnum == 0) grads.push_back(d[0]);
@@ -430,13 +445,105 @@ std::vector<mx::array> pool_vjp(const Bag& bag, const std::vector<mx::array>& pr
   return grads;
 }
 
+// ----------------------------------------------------------------- the rows of a sparse gradient
+//
+// seqlib.sparse differentiates a loss with respect to the U rows a batch reads of a (V, D) table, never the
+// table.  sparse_rows(table, unique, delta) stands for those rows: table[unique] in value, with delta (U, D),
+// zeros that no loop reads (a broadcast: no memory), carrying their gradient.  A bag or a gather that reads
+// these rows at positions (indices into unique) reads the table itself at unique[positions] instead (see
+// rows_of_table), so the (U, D) rows are never copied out unless something else reads them; the lookup's
+// gradient still goes to delta, by positions.  Sparse bag forward+backward (V = 1M, D = 128, 84,570 entries,
+// loss and gradient evaluated; 2-core Zen 5), against gathering the rows first: see embedding_suite.
+
+constexpr const char* kSparseRows = "SparseRows";
+
+struct RowsOfTable {
+  mx::array table, unique, delta;
+};
+
+// The table, unique rows and delta of `rows` if sparse_rows made it and it is still a node of the graph.
+std::optional<RowsOfTable> rows_of_table(const mx::array& rows) {
+  if (!rows.has_primitive() || std::strcmp(rows.primitive().name(), kSparseRows) != 0) return std::nullopt;
+  const auto& inputs = rows.inputs();
+  return RowsOfTable{inputs[0], inputs[1], inputs[2]};
+}
+
+// table[unique[positions[i]]] for each i, after checking both levels of indices.
+std::vector<int32_t> table_rows_at(const mx::array& table, const mx::array& unique, const mx::array& positions) {
+  check_layout(unique, nullptr, table.shape(0));
+  check_layout(positions, nullptr, unique.size());
+  const int32_t* row = unique.data<int32_t>();
+  const int32_t* at = positions.data<int32_t>();
+  std::vector<int32_t> rows(positions.size());
+  for (size_t i = 0; i < rows.size(); ++i) rows[i] = row[at[i]];
+  return rows;
+}
+
+// ins: table (V, D), unique (U,), positions (N,), bounds (B + 1,) [, entry_weights (N,)] [, delta: unread];
+// outs: pooled (B, D), bags of table rows unique[positions]; padding_idx is a position.
+void pool_forward_at(std::vector<mx::array>& ins, std::vector<mx::array>& outs, const Bag& bag) {
+  check_layout(ins[2], &ins[3], ins[1].size());
+  const std::vector<int32_t> rows = table_rows_at(ins[0], ins[1], ins[2]);
+  Bag by_row = bag;
+  if (bag.padding_idx >= 0) by_row.padding_idx = ins[1].data<int32_t>()[bag.padding_idx];
+  const float* entry_weights = bag.weighted ? ins[4].data<float>() : nullptr;
+  pool_bags(ins[0].data<float>(), ins[0].shape(1), rows.data(), ins[3].data<int32_t>(), entry_weights, by_row,
+            outs[0].shape(0), outs[0].data<float>());
+}
+
+// ins: table (V, D), unique (U,), positions (*) [, delta: unread]; outs: (*, D) rows unique[positions] of table.
+void gather_at(std::vector<mx::array>& ins, std::vector<mx::array>& outs, const Bag&) {
+  const std::vector<int32_t> rows = table_rows_at(ins[0], ins[1], ins[2]);
+  gather_rows(ins[0].data<float>(), ins[0].shape(1), rows.data(), rows.size(), outs[0].data<float>());
+}
+
+mx::array sparse_rows_of(const mx::array& table, const mx::array& unique, const mx::array& delta);
+mx::array gather_backward(const mx::array& cotangent, const mx::array& indices, const mx::array& rows);
+
+// The gradients of a lookup at positions of sparse rows (primals: table, unique, positions, ..., delta last):
+// to delta, d_rows of the lookup's backward loop by positions, backward(rows) (the rows, sparse_rows', are read
+// only where the loop reads them); to the entry weights (argnum_weights), that loop's second output; to the
+// table (where asked: seqlib.sparse freezes it), d_rows scattered to the rows unique, the same bits.
+template <class Backward>
+std::vector<mx::array> gradients_at(const std::vector<mx::array>& primals, const std::vector<int>& argnums,
+                                    int argnum_weights, Backward backward) {
+  const auto s = seqlib_cpu::cpu_stream();
+  const int delta = static_cast<int>(primals.size()) - 1;
+  const std::vector<mx::array> d = backward(sparse_rows_of(primals[0], primals[1], primals[delta]));
+  std::vector<mx::array> grads;
+  for (int argnum : argnums) {
+    if (argnum == delta) grads.push_back(d[0]);
+    else if (argnum == argnum_weights) grads.push_back(d[1]);
+    else if (argnum == 0) grads.push_back(gather_backward(d[0], primals[1], primals[0]));
+    else grads.push_back(mx::zeros_like(primals[argnum], s));
+  }
+  return grads;
+}
+
+// primals: table, unique, positions, bounds [, entry_weights], delta; cotangents: (B, D)
+std::vector<mx::array> pool_at_vjp(const Bag& bag, const std::vector<mx::array>& primals,
+                                   const std::vector<mx::array>& cotangents, const std::vector<int>& argnums,
+                                   const std::vector<mx::array>&) {
+  const auto entry_weights = bag.weighted ? std::optional<mx::array>(primals[4]) : std::nullopt;
+  return gradients_at(primals, argnums, bag.weighted ? 4 : -1, [&](const mx::array& rows) {
+    return bag_backward(cotangents[0], primals[2], primals[3], entry_weights, rows, bag);
+  });
+}
+
 mx::array bag_pool(const mx::array& weight, const mx::array& indices, const mx::array& bounds,
                    const std::optional<mx::array>& entry_weights, int mode, int padding_idx) {
   check_bag_arrays(weight, indices, bounds, entry_weights);
   const int bags = bounds.shape(0) - 1, dim = weight.shape(1);
+  const Bag bag{mode, padding_idx, entry_weights.has_value()};
+  if (auto at = rows_of_table(weight)) {  // sparse rows: pool the table's own rows
+    auto inputs = with_weights({&at->table, &at->unique, &indices, &bounds}, entry_weights);
+    const size_t read = inputs.size();
+    inputs.push_back(&at->delta);
+    return seqlib_cpu::make_loop("EmbeddingBagPoolAt", pool_forward_at, {{bags, dim}}, {mx::float32}, inputs, bag,
+                                 pool_at_vjp, nullptr, read)[0];
+  }
   return seqlib_cpu::make_loop("EmbeddingBagPool", pool_forward, {{bags, dim}}, {mx::float32},
-                               with_weights({&weight, &indices, &bounds}, entry_weights),
-                               Bag{mode, padding_idx, entry_weights.has_value()}, pool_vjp)[0];
+                               with_weights({&weight, &indices, &bounds}, entry_weights), bag, pool_vjp)[0];
 }
 
 std::vector<mx::array> bag_pool_backward(const mx::array& cotangent, const mx::array& weight,
@@ -446,34 +553,50 @@ std::vector<mx::array> bag_pool_backward(const mx::array& cotangent, const mx::a
   if (cotangent.dtype() != mx::float32 || cotangent.shape() != mx::Shape{bounds.shape(0) - 1, weight.shape(1)}) {
     throw std::invalid_argument("bag_pool_backward: expected a (B, D) float32 cotangent");
   }
-  std::vector<mx::Shape> shapes = {weight.shape()};
-  if (entry_weights) shapes.push_back(entry_weights->shape());
-  std::vector<mx::Dtype> dtypes(shapes.size(), mx::float32);
-  return seqlib_cpu::make_loop("EmbeddingBagPoolBackward", pool_backward, std::move(shapes), std::move(dtypes),
-                               with_weights({&cotangent, &weight, &indices, &bounds}, entry_weights),
-                               Bag{mode, padding_idx, entry_weights.has_value()});
+  const Bag bag{mode, padding_idx, entry_weights.has_value()};
+  return bag_backward(cotangent, indices, bounds, entry_weights, weight, bag);
 }
 
-// The gather's vector-Jacobian product: every looked-up row adds its cotangent row into the table's
-// gradient, which is the sum-mode bag backward with one entry per bag (bounds 0, 1, ..., N).
-// primals: table (V, D), indices (*); cotangents: (*, D)
+// The gather's backward: every looked-up row adds its cotangent row into d_rows (rows.shape), which is the
+// sum-mode bag backward with one entry per bag (bounds 0, 1, ..., N).  indices (*), cotangent (*, D).
+mx::array gather_backward(const mx::array& cotangent, const mx::array& indices, const mx::array& rows) {
+  const auto s = seqlib_cpu::cpu_stream();
+  const int count = static_cast<int>(indices.size()), dim = rows.shape(1);
+  const mx::array flat = mx::reshape(indices, {count}, s);  // (N,)
+  return bag_backward(mx::reshape(cotangent, {count, dim}, s), flat, mx::arange(0, count + 1, mx::int32, s),
+                      std::nullopt, rows, Bag{kSum, -1, false})[0];
+}
+
+// The gather's vector-Jacobian product.  primals: table (V, D), indices (*); cotangents: (*, D)
 std::vector<mx::array> take_rows_vjp(const Bag&, const std::vector<mx::array>& primals,
                                      const std::vector<mx::array>& cotangents, const std::vector<int>& argnums,
                                      const std::vector<mx::array>&) {
-  const auto s = seqlib_cpu::cpu_stream();
-  const int count = static_cast<int>(primals[1].size()), dim = primals[0].shape(1);
-  const mx::array indices = mx::reshape(primals[1], {count}, s);                  // (N,)
-  const mx::array cotangent = mx::reshape(cotangents[0], {count, dim}, s);        // (N, D)
-  const mx::array bounds = mx::arange(0, count + 1, mx::int32, s);                // one entry per bag
   std::vector<mx::array> grads;
   for (int argnum : argnums) {
-    if (argnum == 0) {
-      grads.push_back(seqlib_cpu::make_loop("EmbeddingBagPoolBackward", pool_backward, {primals[0].shape()},
-                                            {mx::float32}, {&cotangent, &primals[0], &indices, &bounds},
-                                            Bag{kSum, -1, false})[0]);
-    } else {
-      grads.push_back(mx::zeros_like(primals[argnum], s));
-    }
+    grads.push_back(argnum == 0 ? gather_backward(cotangents[0], primals[1], primals[0])
+                                : mx::zeros_like(primals[argnum], seqlib_cpu::cpu_stream()));
+  }
+  return grads;
+}
+
+// primals: table, unique, positions, delta; cotangents: (*, D)
+std::vector<mx::array> take_at_vjp(const Bag&, const std::vector<mx::array>& primals,
+                                   const std::vector<mx::array>& cotangents, const std::vector<int>& argnums,
+                                   const std::vector<mx::array>&) {
+  return gradients_at(primals, argnums, -1, [&](const mx::array& rows) {
+    return std::vector<mx::array>{gather_backward(cotangents[0], primals[2], rows)};
+  });
+}
+
+// SparseRows' vector-Jacobian product.  primals: table (V, D), unique (U,), delta (U, D); cotangents: (U, D)
+std::vector<mx::array> sparse_rows_vjp(const Bag&, const std::vector<mx::array>& primals,
+                                       const std::vector<mx::array>& cotangents, const std::vector<int>& argnums,
+                                       const std::vector<mx::array>&) {
+  std::vector<mx::array> grads;
+  for (int argnum : argnums) {
+    if (argnum == 2) grads.push_back(cotangents[0]);
+    else if (argnum == 0) grads.push_back(gather_backward(cotangents[0], primals[1], primals[0]));
+    else grads.push_back(mx::zeros_like(primals[argnum], seqlib_cpu::cpu_stream()));
   }
   return grads;
 }
@@ -486,11 +609,33 @@ std::vector<mx::Shape> gathered_shape(const std::vector<mx::array>& inputs, cons
 }
 
 // table (V, D) float32, indices (*) int32 in [0, V) -> rows (*, D): a copy of each looked-up row, with a
-// gradient for the table.
+// gradient for the table.  Rows of sparse_rows are read from their table (see rows_of_table).
 mx::array take_rows(const mx::array& table, const mx::array& indices) {
   check_bag_arrays(table, mx::reshape(indices, {-1}), mx::array({0}), std::nullopt);
+  if (auto at = rows_of_table(table)) {
+    mx::Shape shape = indices.shape();
+    shape.push_back(table.shape(1));
+    return seqlib_cpu::make_loop("TakeRowsAt", gather_at, {shape}, {mx::float32},
+                                 {&at->table, &at->unique, &indices, &at->delta}, Bag{kSum, -1, false}, take_at_vjp,
+                                 nullptr, 3)[0];
+  }
   return seqlib_cpu::make_loop("TakeRows", gather, gathered_shape({table, indices}), {mx::float32},
                                {&table, &indices}, Bag{kSum, -1, false}, take_rows_vjp, gathered_shape)[0];
+}
+
+// table (V, D) float32, unique (U,) int32 in [0, V), delta (U, D) float32 (never read) -> table[unique], whose
+// gradient is delta's.
+mx::array sparse_rows_of(const mx::array& table, const mx::array& unique, const mx::array& delta) {
+  return seqlib_cpu::make_loop(kSparseRows, gather, {delta.shape()}, {mx::float32}, {&table, &unique, &delta},
+                               Bag{kSum, -1, false}, sparse_rows_vjp, nullptr, 2)[0];
+}
+
+mx::array sparse_rows(const mx::array& table, const mx::array& unique, const mx::array& delta) {
+  check_bag_arrays(table, unique, mx::array({0}), std::nullopt);
+  if (delta.dtype() != mx::float32 || delta.shape() != mx::Shape{unique.shape(0), table.shape(1)}) {
+    throw std::invalid_argument("sparse_rows: expected delta (U, D) float32 for unique (U,) and table (V, D)");
+  }
+  return sparse_rows_of(table, unique, delta);
 }
 
 }  // namespace
@@ -499,6 +644,7 @@ void seqlib_cpu::register_bags(nb::module_& m) {
   m.def("take_rows", &take_rows, "table"_a, "indices"_a);
   m.def("bag_pool", &bag_pool, "weight"_a, "indices"_a, "bounds"_a, "entry_weights"_a.none(), "mode"_a,
         "padding_idx"_a);
+  m.def("sparse_rows", &sparse_rows, "table"_a, "unique"_a, "delta"_a);
   m.def("bag_pool_backward", &bag_pool_backward, "cotangent"_a, "weight"_a, "indices"_a, "bounds"_a,
         "entry_weights"_a.none(), "mode"_a, "padding_idx"_a);
 }

@@ -483,17 +483,19 @@ inline void stream_fence() {
 #endif
 }
 
-// The outputs (given shapes and dtypes) of one CpuLoop call on row-contiguous copies of its inputs.
+// The outputs (given shapes and dtypes) of one CpuLoop call on row-contiguous copies of its inputs.  Inputs past
+// the first `read` are not read by the runner, only kept in the graph for their gradients: they are passed as
+// they are (a broadcast stays a view: no copy).
 template <class Params>
 std::vector<mx::array> make_loop(const char* name, typename CpuLoop<Params>::Runner runner,
                                  std::vector<mx::Shape> shapes, std::vector<mx::Dtype> dtypes,
                                  const std::vector<const mx::array*>& inputs, Params params,
                                  typename CpuLoop<Params>::Vjp vjp = nullptr,
-                                 typename CpuLoop<Params>::ShapeRule shape_rule = nullptr) {
+                                 typename CpuLoop<Params>::ShapeRule shape_rule = nullptr, size_t read = SIZE_MAX) {
   auto s = cpu_stream();
   std::vector<mx::array> contiguous;
   for (auto* array : inputs) {  // an evaluated row-contiguous array (a weight, a state) is used as it is
-    const bool ready = array->is_available() && array->flags().row_contiguous;
+    const bool ready = contiguous.size() >= read || (array->is_available() && array->flags().row_contiguous);
     contiguous.push_back(ready ? *array : mx::contiguous(*array, false, s));
   }
   std::vector<mx::Shape> input_shapes;
