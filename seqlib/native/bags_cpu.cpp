@@ -452,8 +452,9 @@ std::vector<mx::array> pool_vjp(const Bag& bag, const std::vector<mx::array>& pr
 // zeros that no loop reads (a broadcast: no memory), carrying their gradient.  A bag or a gather that reads
 // these rows at positions (indices into unique) reads the table itself at unique[positions] instead (see
 // rows_of_table), so the (U, D) rows are never copied out unless something else reads them; the lookup's
-// gradient still goes to delta, by positions.  Sparse bag forward+backward (V = 1M, D = 128, 84,570 entries,
-// loss and gradient evaluated; 2-core Zen 5), against gathering the rows first: see embedding_suite.
+// gradient still goes to delta, by positions.  A sparse mean bag's forward+backward, loss and gradient evaluated
+// (V = 1M, D = 128, 84,570 entries in 4,096 bags; 2-core Zen 5): 11.2 ms when the rows were gathered first (the
+// copy, 41 MB, took a third of it), 6.6-7.4 ms reading the table; torch 5.7-6.4.
 
 constexpr const char* kSparseRows = "SparseRows";
 
