@@ -15,10 +15,11 @@ How: MLX can only differentiate with respect to function arguments, and which
 rows a batch touches is known only once the model runs.  So the loss function
 runs twice.  The first run is lazy and evaluates nothing but the index arrays
 (the inputs): it records which rows each sparse table reads.  The second run
-differentiates with respect to those rows, gathered into a small ``(U, D)``
-array, and the dense parameters; the table itself is frozen during it.  The
-cost is building the forward graph twice (Python overhead), never a
-``(V, D)`` array.  ``loss_fn`` must look up the same rows both times (it may use
+differentiates with respect to those rows, a small ``(U, D)`` array, and the
+dense parameters; the table itself is frozen during it.  (With seqlib's C++
+primitives the lookups read the rows from the table itself and the ``(U, D)``
+array is never filled.)  The cost is building the forward graph twice (Python
+overhead), never a ``(V, D)`` array.  ``loss_fn`` must look up the same rows both times (it may use
 randomness elsewhere, such as dropout).
 """
 
@@ -290,13 +291,14 @@ def _sorted_unique(indices: np.ndarray, num_embeddings: int) -> np.ndarray:
 
 
 def _differentiate(model, tables, unique_rows, fn, args, kwargs):
-    """Second run: gradients of the dense parameters and of the gathered rows."""
+    """Second run: gradients of the dense parameters and of the rows read (see :func:`_row_argument`)."""
     states = [_Rows(unique, table.weight.shape[0], lookups=len(table.sparse_recording.calls))  # the first run's
               for (_, table), unique in zip(tables, unique_rows, strict=True)]  # fmt: skip
     arguments, rows_of = [], []  # what is differentiated for each table, and the rows its lookups read from it
     for (_, table), unique in zip(tables, unique_rows, strict=True):
         argument, rows = _row_argument(table.weight, unique)
-        arguments.append(argument), rows_of.append(rows)
+        arguments.append(argument)
+        rows_of.append(rows)
 
     def loss_of(dense_params, table_arguments):
         model.update(dense_params)
