@@ -61,6 +61,7 @@ class BlasStatus:
 
 status = BlasStatus(routed=False, reason="not routed: call seqlib.route_mlx_blas() (or set SEQLIB_BLAS=1)")
 _shim: ctypes.CDLL | None = None
+_openblas: ctypes.CDLL | None = None  # the OpenBLAS library load_shim loaded
 
 
 def _openblas_dir() -> str:
@@ -111,20 +112,20 @@ def load_shim() -> ctypes.CDLL:
     seqlib's C++ primitives, binds ``cblas_sgemm`` to it), without touching MLX.  Raises ImportError,
     OSError, :class:`seqlib._build.CompilerNotFoundError` or ``subprocess.CalledProcessError`` when it
     cannot be built or loaded."""
-    global _shim
+    global _shim, _openblas
     if _shim is None:
         with _short_worker_spin():  # importing scipy_openblas32 loads its library
             openblas_dir = _openblas_dir()
             # Loaded first, by path: a shim built at install found it through a build folder that is gone.
-            ctypes.CDLL(os.path.join(openblas_dir, "libscipy_openblas.so"), mode=ctypes.RTLD_GLOBAL)
+            _openblas = ctypes.CDLL(os.path.join(openblas_dir, "libscipy_openblas.so"), mode=ctypes.RTLD_GLOBAL)
         _shim = ctypes.CDLL(str(_build_shim(openblas_dir)), mode=ctypes.RTLD_GLOBAL)
     return _shim
 
 
 def _openblas_kernels() -> str | None:
-    """The name of the loaded OpenBLAS's kernels for this CPU (``openblas_get_corename``), if it says."""
-    openblas = ctypes.CDLL(os.path.join(_openblas_dir(), "libscipy_openblas.so"))  # the copy already loaded
-    corename = getattr(openblas, "scipy_openblas_get_corename", None)
+    """The name of the loaded OpenBLAS's kernels for this CPU (``openblas_get_corename``), if it says; after
+    :func:`load_shim`."""
+    corename = getattr(_openblas, "scipy_openblas_get_corename", None)
     if corename is None:
         return None
     corename.restype = ctypes.c_char_p

@@ -469,10 +469,9 @@ std::optional<RowsOfTable> rows_of_table(const mx::array& rows) {
   return RowsOfTable{inputs[0], inputs[1], inputs[2]};
 }
 
-// table[unique[positions[i]]] for each i, after checking both levels of indices.
+// table[unique[positions[i]]] for each i, after checking unique (the caller checks positions).
 std::vector<int32_t> table_rows_at(const mx::array& table, const mx::array& unique, const mx::array& positions) {
   check_layout(unique, nullptr, table.shape(0));
-  check_layout(positions, nullptr, unique.size());
   const int32_t* row = unique.data<int32_t>();
   const int32_t* at = positions.data<int32_t>();
   std::vector<int32_t> rows(positions.size());
@@ -494,6 +493,7 @@ void pool_forward_at(std::vector<mx::array>& ins, std::vector<mx::array>& outs, 
 
 // ins: table (V, D), unique (U,), positions (*) [, delta: unread]; outs: (*, D) rows unique[positions] of table.
 void gather_at(std::vector<mx::array>& ins, std::vector<mx::array>& outs, const Bag&) {
+  check_layout(ins[2], nullptr, ins[1].size());
   const std::vector<int32_t> rows = table_rows_at(ins[0], ins[1], ins[2]);
   gather_rows(ins[0].data<float>(), ins[0].shape(1), rows.data(), rows.size(), outs[0].data<float>());
 }
@@ -614,9 +614,7 @@ std::vector<mx::Shape> gathered_shape(const std::vector<mx::array>& inputs, cons
 mx::array take_rows(const mx::array& table, const mx::array& indices) {
   check_bag_arrays(table, mx::reshape(indices, {-1}), mx::array({0}), std::nullopt);
   if (auto at = rows_of_table(table)) {
-    mx::Shape shape = indices.shape();
-    shape.push_back(table.shape(1));
-    return seqlib_cpu::make_loop("TakeRowsAt", gather_at, {shape}, {mx::float32},
+    return seqlib_cpu::make_loop("TakeRowsAt", gather_at, gathered_shape({table, indices}), {mx::float32},
                                  {&at->table, &at->unique, &indices, &at->delta}, Bag{kSum, -1, false}, take_at_vjp,
                                  nullptr, 3)[0];
   }

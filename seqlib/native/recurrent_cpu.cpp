@@ -190,7 +190,9 @@ inline Vec clipped(Vec x, Vec value, float clip) {
 // pairs, then in pairs of pairs within each 128-bit quarter, then the quarters among groups of four registers.
 inline void transpose(Vec r[kLanes]) {
   Vec t[kLanes];
-  for (int i = 0; i < 16; i += 2) t[i] = _mm512_unpacklo_ps(r[i], r[i + 1]), t[i + 1] = _mm512_unpackhi_ps(r[i], r[i + 1]);
+  for (int i = 0; i < 16; i += 2) {
+    t[i] = _mm512_unpacklo_ps(r[i], r[i + 1]), t[i + 1] = _mm512_unpackhi_ps(r[i], r[i + 1]);
+  }
   for (int i = 0; i < 16; i += 4) {
     r[i] = _mm512_shuffle_ps(t[i], t[i + 2], 0x44), r[i + 1] = _mm512_shuffle_ps(t[i], t[i + 2], 0xEE);
     r[i + 2] = _mm512_shuffle_ps(t[i + 1], t[i + 3], 0x44), r[i + 3] = _mm512_shuffle_ps(t[i + 1], t[i + 3], 0xEE);
@@ -226,7 +228,9 @@ inline Vec clipped(Vec x, Vec value, float clip) {
 // r[0..8) as the rows of an 8 x 8 tile, replaced by its columns: r[j][i] = r[i][j] before.
 inline void transpose(Vec r[kLanes]) {
   Vec t[kLanes], q[kLanes];
-  for (int i = 0; i < 8; i += 2) t[i] = _mm256_unpacklo_ps(r[i], r[i + 1]), t[i + 1] = _mm256_unpackhi_ps(r[i], r[i + 1]);
+  for (int i = 0; i < 8; i += 2) {
+    t[i] = _mm256_unpacklo_ps(r[i], r[i + 1]), t[i + 1] = _mm256_unpackhi_ps(r[i], r[i + 1]);
+  }
   for (int i = 0; i < 8; i += 4) {
     q[i] = _mm256_shuffle_ps(t[i], t[i + 2], 0x44), q[i + 1] = _mm256_shuffle_ps(t[i], t[i + 2], 0xEE);
     q[i + 2] = _mm256_shuffle_ps(t[i + 1], t[i + 3], 0x44), q[i + 3] = _mm256_shuffle_ps(t[i + 1], t[i + 3], 0xEE);
