@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import mlx.core as mx
 import numpy as np
 
-from seqlib._checks import as_index_array
+from seqlib._checks import as_index_array, host_index_array
 from seqlib.graph import host_values
 
 
@@ -35,8 +35,9 @@ class BagLayout:
 
 
 def checked_offsets(offsets, input_size: int, allow_empty: bool = False) -> np.ndarray:
-    """``offsets`` as int64 NumPy, after checking torch's rules (1-D, starts at 0, non-decreasing, within input)."""
-    offsets = np.asarray(as_index_array(offsets, "offsets")).astype(np.int64)
+    """``offsets`` as NumPy (an integer dtype, NumPy's as given), after checking torch's rules (1-D, starts at 0,
+    non-decreasing, within input).  Few NumPy calls: a bag's forward makes them on every call."""
+    offsets = host_index_array(offsets, "offsets")
     if offsets.ndim != 1:
         raise ValueError(f"offsets: expected a 1-D array, got shape {offsets.shape}")
     if offsets.size == 0:
@@ -45,39 +46,45 @@ def checked_offsets(offsets, input_size: int, allow_empty: bool = False) -> np.n
         raise ValueError("offsets: expected at least one element, got an empty array")
     if offsets[0] != 0:
         raise ValueError(f"offsets: the first bag must start at 0, got offsets[0] = {offsets[0]}")
-    steps = np.diff(offsets)
-    if np.any(steps < 0):
-        where = int(np.argmax(steps < 0))
+    decreasing = offsets[1:] < offsets[:-1]  # compared, not subtracted: an unsigned difference would wrap
+    if decreasing.any():
+        where = int(np.argmax(decreasing))
         raise ValueError(
             f"offsets: must be non-decreasing, got offsets[{where}] = {offsets[where]} "
             f"> offsets[{where + 1}] = {offsets[where + 1]}"
         )
-    if offsets[-1] > input_size:
+    if offsets[-1] > input_size:  # the largest, as they do not decrease from 0
         raise ValueError(
             f"offsets: may not point past the end of input (length {input_size}), got offsets[-1] = {offsets[-1]}"
         )
     return offsets
 
 
-def bag_bounds(offsets, input_size: int, include_last_offset: bool) -> np.ndarray:
-    """The bags' bounds (B + 1,) as int64 NumPy: bag ``b`` holds entries ``bounds[b]:bounds[b + 1]``.
+def bag_bounds(offsets, input_size: int, include_last_offset: bool, dtype=np.int64) -> np.ndarray:
+    """The bags' bounds (B + 1,) as NumPy of ``dtype``: bag ``b`` holds entries ``bounds[b]:bounds[b + 1]``.
 
     Without ``include_last_offset`` the last bag runs to the end of input, and empty
     ``offsets`` mean no bags (as in torch).  With it, ``offsets`` are the bounds and must
     end at ``input_size``: torch disagrees with itself about entries after the last
     offset (its sum/mean kernels drop them, its max and padding_idx kernels put them
-    in the last bag; pytorch#52851), so seqlib refuses them.
+    in the last bag; pytorch#52851), so seqlib refuses them.  The values lie in [0, input_size] (checked), so any
+    ``dtype`` that holds input_size holds them.
     """
     offsets = checked_offsets(offsets, input_size, allow_empty=not include_last_offset)
     if not include_last_offset:
-        return np.append(offsets, input_size) if offsets.size else np.zeros(1, np.int64)
+        if offsets.size == 0:
+            return np.zeros(1, dtype)
+        bounds = np.empty(offsets.size + 1, dtype)
+        bounds[:-1] = offsets
+        bounds[-1] = input_size
+        return bounds
     if offsets[-1] != input_size:
         raise ValueError(
             f"offsets: with include_last_offset=True the last offset must be the length of input ({input_size}), "
             f"got offsets[-1] = {offsets[-1]}; torch is inconsistent about the entries after it (pytorch#52851): "
             f"pass input[:{offsets[-1]}] to leave them out"
         )
-    return offsets
+    return offsets.astype(dtype)
 
 
 def flatten_bags(input, offsets, per_sample_weights, include_last_offset: bool):

@@ -23,13 +23,20 @@ def as_index_array(value, name: str) -> mx.array:
     Python lists as in torch (build an array first).
     """
     if isinstance(value, np.ndarray):
-        if not np.issubdtype(value.dtype, np.integer):
-            raise TypeError(f"{name}: expected an integer dtype (int32, int64, uint32, ...), got NumPy {value.dtype}")
-        value = mx.array(value)
+        value = mx.array(host_index_array(value, name))
     if not isinstance(value, mx.array):
         raise TypeError(f"{name}: expected an mlx.core.array of integers, got {type(value).__name__}")
     if not mx.issubdtype(value.dtype, mx.integer):
         raise TypeError(f"{name}: expected an integer dtype (int32, int64, uint32, ...), got {value.dtype}")
+    return value
+
+
+def host_index_array(value, name: str) -> np.ndarray:
+    """``value`` checked as :func:`as_index_array` checks it, as NumPy: a NumPy array as it is (no copy)."""
+    if not isinstance(value, np.ndarray):
+        return np.asarray(as_index_array(value, name))
+    if not np.issubdtype(value.dtype, np.integer):
+        raise TypeError(f"{name}: expected an integer dtype (int32, int64, uint32, ...), got NumPy {value.dtype}")
     return value
 
 

@@ -69,7 +69,7 @@ def _checked_bounds(offsets, input_size: int, include_last_offset: bool, path: s
     and a scalar that is True where only NaN can tell that the offsets broke them (else None)."""
     values = host_values(offsets)
     if values is not None:
-        return mx.array(bag_bounds(values, input_size, include_last_offset).astype(np.int32)), None
+        return mx.array(bag_bounds(values, input_size, include_last_offset, np.int32)), None
     extension = graph_checks(path)
     if extension is not None:
         return extension.checked_bounds(offsets, input_size, include_last_offset), None
