@@ -92,9 +92,13 @@ void check_layout(const mx::array& indices, const mx::array* bounds, int64_t row
 
 using seqlib_cpu::parallel_for;
 
-// How many entries ahead rows are prefetched: about one bag (mean bag of 1-40 entries, 1M x 128 table, 2-core
-// Sapphire Rapids, interleaved with torch: 16 entries 6.87-7.01 ms, 32 6.41-6.42, 64 6.14-6.46; torch 6.28-6.75).
-constexpr int kAhead = 32;
+// How many entries ahead rows are prefetched: one row as each entry is added (as torch's FBGEMM kernel does), not a
+// bag's worth of rows in a burst at the bag's start (9 lines a row, 32 entries past the bag: tuned so on Sapphire
+// Rapids, where 16 took 6.87-7.01 ms, 32 6.41-6.42, 64 6.14-6.46, torch 6.28-6.75). The burst was the slower on
+// mean bags of 1-40 entries from a 1M x 128 table, 2-core Zen 5, interleaved builds, each call after an idle,
+// ms: one thread 3.08-3.11 in a burst against 2.87-2.95 (this), two threads 1.97-2.11 against 1.88-2.04. One row at
+// a time, 16 and 32 entries ahead were even there; the gather (below) was even too.
+constexpr int kAhead = 16;
 
 // Every cache line of a row: MLX's CPU buffers need not start on a line, so a 512-byte row can
 // span nine lines, and the one left out would be a full memory miss per row.
@@ -105,19 +109,27 @@ inline void prefetch(const float* row, int64_t width) {
   __builtin_prefetch(last);
 }
 
-constexpr int64_t kTile = 64;  // columns a bag is summed over at a time, in registers
+// Columns a bag is summed over at a time, in 8 vector registers (of 32 with AVX-512, of 16 with AVX): a row of 128
+// floats is read in one pass over the bag's entries where AVX-512 holds it.
+#if defined(__AVX512F__)
+constexpr int64_t kTile = 128;
+#else
+constexpr int64_t kTile = 64;
+#endif
 
 // Columns [column, column + width) of one bag (entries begin to end), summed in a local array:
 // with the constant width kTile the compiler keeps it in vector registers, so each entry costs
-// loads of its row and no load or store of the output.
+// loads of its row and no load or store of the output. Entry i prefetches the row of entry i + kAhead where that
+// lies before prefetch_end (the first pass over a bag's columns asks; the others find the rows in cache).
 template <int kMode, int64_t kWidth>
 inline void pool_columns(const float* __restrict table, int64_t dim, const int32_t* __restrict indices,
                          int64_t begin, int64_t end, const float* __restrict entry_weights, int32_t padding_idx,
-                         int64_t column, int64_t width, float* __restrict out) {
+                         int64_t column, int64_t width, float* __restrict out, int64_t prefetch_end) {
   const int64_t columns = kWidth > 0 ? kWidth : width;
   float total[kTile] = {};
   int64_t count = 0;
   for (int64_t i = begin; i < end; ++i) {
+    if (i + kAhead < prefetch_end) prefetch(table + indices[i + kAhead] * dim, dim);
     if (indices[i] == padding_idx) continue;
     const float* __restrict row = table + indices[i] * dim + column;
     if (kMode == kMax) {
@@ -143,18 +155,20 @@ void pool_bag_range(const float* __restrict table, int64_t dim, const int32_t* _
                     const int32_t* __restrict bounds, const float* __restrict entry_weights, int32_t padding_idx,
                     float* __restrict pooled, int64_t first_bag, int64_t end_bag) {
   const int64_t end_entry = bounds[end_bag];
+  for (int64_t i = bounds[first_bag]; i < std::min<int64_t>(bounds[first_bag] + kAhead, end_entry); ++i) {
+    prefetch(table + indices[i] * dim, dim);  // the rows before the first entry's prefetch reaches
+  }
   for (int64_t b = first_bag; b < end_bag; ++b) {
     const int64_t begin = bounds[b], end = bounds[b + 1];
-    for (int64_t i = begin + kAhead; i < std::min(end + kAhead, end_entry); ++i) {
-      prefetch(table + indices[i] * dim, dim);  // the rows of the entries kAhead past this bag's own
-    }
     float* out = pooled + b * dim;
     int64_t column = 0;
     for (; column + kTile <= dim; column += kTile) {
-      pool_columns<kMode, kTile>(table, dim, indices, begin, end, entry_weights, padding_idx, column, kTile, out);
+      pool_columns<kMode, kTile>(table, dim, indices, begin, end, entry_weights, padding_idx, column, kTile, out,
+                                 column == 0 ? end_entry : 0);
     }
     if (column < dim) {
-      pool_columns<kMode, 0>(table, dim, indices, begin, end, entry_weights, padding_idx, column, dim - column, out);
+      pool_columns<kMode, 0>(table, dim, indices, begin, end, entry_weights, padding_idx, column, dim - column, out,
+                             column == 0 ? end_entry : 0);
     }
   }
 }
