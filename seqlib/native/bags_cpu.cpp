@@ -96,17 +96,23 @@ using seqlib_cpu::parallel_for;
 // bag's worth of rows in a burst at the bag's start (9 lines a row, 32 entries past the bag: tuned so on Sapphire
 // Rapids, where 16 took 6.87-7.01 ms, 32 6.41-6.42, 64 6.14-6.46, torch 6.28-6.75). The burst was the slower on
 // mean bags of 1-40 entries from a 1M x 128 table, 2-core Zen 5, interleaved builds, each call after an idle,
-// ms: one thread 3.08-3.11 in a burst against 2.87-2.95 (this), two threads 1.97-2.11 against 1.88-2.04. One row at
-// a time, 16 and 32 entries ahead were even there; the gather (below) was even too.
+// ms: one thread 3.08-3.11 in a burst against 2.87-2.95 (one row at a time), two threads 1.97-2.11 against
+// 1.88-2.04. One row at a time, 16 and 32 entries ahead were even there; the gather (below) was even too.  The
+// pooling prefetches its rows as read once (prefetchnta), same machine, builds interleaved in pairs, ms: one thread
+// 2.36 / 2.10 and 2.39 / 2.11 (t0 / nta), two threads 1.75 / 1.67, 1.77 / 1.77, 2.22 / 1.95, 2.20 / 2.13
+// (prefetcht1 was slower: 2.50 on one thread); the gather, which writes what it reads, was not faster so.  Not
+// measured on Intel, where prefetchnta also fills L1 but not L2.
 constexpr int kAhead = 16;
 
 // Every cache line of a row: MLX's CPU buffers need not start on a line, so a 512-byte row can
-// span nine lines, and the one left out would be a full memory miss per row.
+// span nine lines, and the one left out would be a full memory miss per row.  kLocality is __builtin_prefetch's:
+// 3 (prefetcht0) keeps the lines in every level, 0 (prefetchnta) marks them as read once.
+template <int kLocality = 3>
 inline void prefetch(const float* row, int64_t width) {
   const char* first = reinterpret_cast<const char*>(row);
   const char* last = reinterpret_cast<const char*>(row + width) - 1;
-  for (const char* line = first; line < last; line += 64) __builtin_prefetch(line);
-  __builtin_prefetch(last);
+  for (const char* line = first; line < last; line += 64) __builtin_prefetch(line, 0, kLocality);
+  __builtin_prefetch(last, 0, kLocality);
 }
 
 // Columns a bag is summed over at a time, in 8 vector registers (of 32 with AVX-512, of 16 with AVX): a row of 128
@@ -129,7 +135,7 @@ inline void pool_columns(const float* __restrict table, int64_t dim, const int32
   float total[kTile] = {};
   int64_t count = 0;
   for (int64_t i = begin; i < end; ++i) {
-    if (i + kAhead < prefetch_end) prefetch(table + indices[i + kAhead] * dim, dim);
+    if (i + kAhead < prefetch_end) prefetch<0>(table + indices[i + kAhead] * dim, dim);  // read once, here
     if (indices[i] == padding_idx) continue;
     const float* __restrict row = table + indices[i] * dim + column;
     if (kMode == kMax) {
@@ -156,7 +162,7 @@ void pool_bag_range(const float* __restrict table, int64_t dim, const int32_t* _
                     float* __restrict pooled, int64_t first_bag, int64_t end_bag) {
   const int64_t end_entry = bounds[end_bag];
   for (int64_t i = bounds[first_bag]; i < std::min<int64_t>(bounds[first_bag] + kAhead, end_entry); ++i) {
-    prefetch(table + indices[i] * dim, dim);  // the rows before the first entry's prefetch reaches
+    prefetch<0>(table + indices[i] * dim, dim);  // the rows before the first entry's prefetch reaches
   }
   for (int64_t b = first_bag; b < end_bag; ++b) {
     const int64_t begin = bounds[b], end = bounds[b + 1];
