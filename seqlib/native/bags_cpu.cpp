@@ -115,18 +115,64 @@ inline void prefetch(const float* row, int64_t width) {
   __builtin_prefetch(last, 0, kLocality);
 }
 
-// Columns a bag is summed over at a time, in 8 vector registers (of 32 with AVX-512, of 16 with AVX): a row of 128
-// floats is read in one pass over the bag's entries where AVX-512 holds it.
+// The build's widest float vector, in GCC's vector extension (-march=native picks the instructions).  A bag's
+// columns are pooled kTile at a time, in kVectors of them: a row of 128 floats in one pass over the bag's entries
+// where AVX-512 holds it.
 #if defined(__AVX512F__)
-constexpr int64_t kTile = 128;
+constexpr int64_t kLanes = 16;
+#elif defined(__AVX__)
+constexpr int64_t kLanes = 8;
 #else
-constexpr int64_t kTile = 64;
+constexpr int64_t kLanes = 4;
 #endif
+typedef float Floats __attribute__((vector_size(4 * kLanes)));
+constexpr int64_t kVectors = 8, kTile = kVectors * kLanes;
 
-// Columns [column, column + width) of one bag (entries begin to end), summed in a local array:
-// with the constant width kTile the compiler keeps it in vector registers, so each entry costs
-// loads of its row and no load or store of the output. Entry i prefetches the row of entry i + kAhead where that
-// lies before prefetch_end (the first pass over a bag's columns asks; the others find the rows in cache).
+inline Floats load(const float* from) {
+  Floats v;
+  std::memcpy(&v, from, sizeof v);  // an unaligned load
+  return v;
+}
+
+// Sum and mean, kTile columns from `column` of one bag: each counted entry adds its row (times its weight where
+// kWeighted) in vector registers into total; returns how many entries counted.  Where prefetch_end > 0 (the
+// first pass over a bag's columns), the row kAhead entries on (or the last before prefetch_end) is prefetched a
+// line after each vector's load, as FBGEMM's kernel interleaves them, then its other lines: on the 2-core Zen 5
+// (1M x 128 table, builds interleaved in pairs) one thread took 2.73 / 2.94 ms against 3.36 / 3.57 with the row's
+// nine prefetches together before the loads, two threads 1.91 / 1.93 against 2.09 / 2.11; torch 2.34-2.54 on one.
+template <bool kWeighted>
+int64_t sum_tile(const float* __restrict table, int64_t dim, const int32_t* __restrict indices, int64_t begin,
+                 int64_t end, const float* __restrict entry_weights, int32_t padding_idx, int64_t column,
+                 int64_t prefetch_end, float* __restrict total) {
+  Floats sums[kVectors] = {};
+  int64_t count = 0;
+  for (int64_t i = begin; i < end; ++i) {
+    const char* ahead = prefetch_end > 0
+        ? reinterpret_cast<const char*>(table + indices[std::min(i + kAhead, prefetch_end - 1)] * dim)
+        : nullptr;
+    if (indices[i] == padding_idx) {
+      if (ahead != nullptr) prefetch<0>(reinterpret_cast<const float*>(ahead), dim);
+      continue;
+    }
+    const float* __restrict row = table + indices[i] * dim + column;
+    for (int64_t v = 0; v < kVectors; ++v) {
+      sums[v] += kWeighted ? load(row + v * kLanes) * entry_weights[i] : load(row + v * kLanes);
+      if (ahead != nullptr) __builtin_prefetch(ahead + 64 * v, 0, 0);  // line v of 4 dim bytes, read once
+    }
+    if (ahead != nullptr) {
+      for (int64_t at = 64 * kVectors; at < 4 * dim; at += 64) __builtin_prefetch(ahead + at, 0, 0);
+      __builtin_prefetch(ahead + 4 * dim - 1, 0, 0);  // the ninth line of a row that does not start on one
+    }
+    ++count;
+  }
+  for (int64_t v = 0; v < kVectors; ++v) std::memcpy(total + v * kLanes, &sums[v], sizeof sums[v]);
+  return count;
+}
+
+// Columns [column, column + width) of one bag (entries begin to end), pooled in total: a full tile of sum or mean
+// by sum_tile, else in a local array (with the constant width kTile the compiler keeps it in vector registers too).
+// Entry i prefetches the row of entry i + kAhead where that lies before prefetch_end (the first pass over a bag's
+// columns asks; the others find the rows in cache).
 template <int kMode, int64_t kWidth>
 inline void pool_columns(const float* __restrict table, int64_t dim, const int32_t* __restrict indices,
                          int64_t begin, int64_t end, const float* __restrict entry_weights, int32_t padding_idx,
@@ -134,19 +180,25 @@ inline void pool_columns(const float* __restrict table, int64_t dim, const int32
   const int64_t columns = kWidth > 0 ? kWidth : width;
   float total[kTile] = {};
   int64_t count = 0;
-  for (int64_t i = begin; i < end; ++i) {
-    if (i + kAhead < prefetch_end) prefetch<0>(table + indices[i + kAhead] * dim, dim);  // read once, here
-    if (indices[i] == padding_idx) continue;
-    const float* __restrict row = table + indices[i] * dim + column;
-    if (kMode == kMax) {
-      for (int64_t d = 0; d < columns; ++d) total[d] = (count == 0 || row[d] > total[d]) ? row[d] : total[d];
-    } else if (entry_weights != nullptr) {
-      const float scale = entry_weights[i];
-      for (int64_t d = 0; d < columns; ++d) total[d] += scale * row[d];
-    } else {
-      for (int64_t d = 0; d < columns; ++d) total[d] += row[d];
+  if (kMode != kMax && kWidth == kTile) {
+    count = entry_weights != nullptr
+        ? sum_tile<true>(table, dim, indices, begin, end, entry_weights, padding_idx, column, prefetch_end, total)
+        : sum_tile<false>(table, dim, indices, begin, end, nullptr, padding_idx, column, prefetch_end, total);
+  } else {
+    for (int64_t i = begin; i < end; ++i) {
+      if (i + kAhead < prefetch_end) prefetch<0>(table + indices[i + kAhead] * dim, dim);  // read once, here
+      if (indices[i] == padding_idx) continue;
+      const float* __restrict row = table + indices[i] * dim + column;
+      if (kMode == kMax) {
+        for (int64_t d = 0; d < columns; ++d) total[d] = (count == 0 || row[d] > total[d]) ? row[d] : total[d];
+      } else if (entry_weights != nullptr) {
+        const float scale = entry_weights[i];
+        for (int64_t d = 0; d < columns; ++d) total[d] += scale * row[d];
+      } else {
+        for (int64_t d = 0; d < columns; ++d) total[d] += row[d];
+      }
+      ++count;
     }
-    ++count;
   }
   if (kMode == kMean && count > 0) {
     const float size = static_cast<float>(count);
