@@ -136,32 +136,32 @@ inline Floats load(const float* from) {
 
 // Sum and mean, kTile columns from `column` of one bag: each counted entry adds its row (times its weight where
 // kWeighted) in vector registers into total; returns how many entries counted.  Where prefetch_end > 0 (the
-// first pass over a bag's columns), the row kAhead entries on (or the last before prefetch_end) is prefetched a
-// line after each vector's load, as FBGEMM's kernel interleaves them, then its other lines: on the 2-core Zen 5
-// (1M x 128 table, builds interleaved in pairs) one thread took 2.73 / 2.94 ms against 3.36 / 3.57 with the row's
-// nine prefetches together before the loads, two threads 1.91 / 1.93 against 2.09 / 2.11; torch 2.34-2.54 on one.
-template <bool kWeighted>
+// first pass over a bag's columns), the row kAhead entries on (or the last before prefetch_end) is prefetched:
+// kInterleaved (rows of kVectors lines or more), a line after each vector's load, as FBGEMM's kernel interleaves
+// them, then its other lines; else the whole row before the loads.  On the 2-core Zen 5 (1M x 128 table, builds
+// interleaved in pairs) one thread took 2.73 / 2.94 ms against 3.36 / 3.57 with the row's nine prefetches together
+// before the loads, two threads 1.91 / 1.93 against 2.09 / 2.11; torch 2.34-2.54 on one.
+template <bool kWeighted, bool kInterleaved>
 int64_t sum_tile(const float* __restrict table, int64_t dim, const int32_t* __restrict indices, int64_t begin,
                  int64_t end, const float* __restrict entry_weights, int32_t padding_idx, int64_t column,
                  int64_t prefetch_end, float* __restrict total) {
   Floats sums[kVectors] = {};
   int64_t count = 0;
   for (int64_t i = begin; i < end; ++i) {
-    const char* ahead = prefetch_end > 0
-        ? reinterpret_cast<const char*>(table + indices[std::min(i + kAhead, prefetch_end - 1)] * dim)
-        : nullptr;
-    if (indices[i] == padding_idx) {
-      if (ahead != nullptr) prefetch<0>(reinterpret_cast<const float*>(ahead), dim);
-      continue;
+    const float* ahead = prefetch_end > 0 ? table + indices[std::min(i + kAhead, prefetch_end - 1)] * dim : nullptr;
+    if (indices[i] == padding_idx || (!kInterleaved && ahead != nullptr)) {
+      if (ahead != nullptr) prefetch<0>(ahead, dim);
+      if (indices[i] == padding_idx) continue;
     }
     const float* __restrict row = table + indices[i] * dim + column;
+    const char* line = reinterpret_cast<const char*>(ahead);
     for (int64_t v = 0; v < kVectors; ++v) {
       sums[v] += kWeighted ? load(row + v * kLanes) * entry_weights[i] : load(row + v * kLanes);
-      if (ahead != nullptr) __builtin_prefetch(ahead + 64 * v, 0, 0);  // line v of 4 dim bytes, read once
+      if (kInterleaved) __builtin_prefetch(line + 64 * v, 0, 0);  // line v of the row ahead, read once
     }
-    if (ahead != nullptr) {
-      for (int64_t at = 64 * kVectors; at < 4 * dim; at += 64) __builtin_prefetch(ahead + at, 0, 0);
-      __builtin_prefetch(ahead + 4 * dim - 1, 0, 0);  // the ninth line of a row that does not start on one
+    if (kInterleaved) {
+      for (int64_t at = 64 * kVectors; at < 4 * dim; at += 64) __builtin_prefetch(line + at, 0, 0);
+      __builtin_prefetch(line + 4 * dim - 1, 0, 0);  // the ninth line of a row that does not start on one
     }
     ++count;
   }
@@ -181,9 +181,10 @@ inline void pool_columns(const float* __restrict table, int64_t dim, const int32
   float total[kTile] = {};
   int64_t count = 0;
   if (kMode != kMax && kWidth == kTile) {
-    count = entry_weights != nullptr
-        ? sum_tile<true>(table, dim, indices, begin, end, entry_weights, padding_idx, column, prefetch_end, total)
-        : sum_tile<false>(table, dim, indices, begin, end, nullptr, padding_idx, column, prefetch_end, total);
+    auto sum = prefetch_end > 0 && 4 * dim >= 64 * kVectors
+        ? (entry_weights != nullptr ? sum_tile<true, true> : sum_tile<false, true>)
+        : (entry_weights != nullptr ? sum_tile<true, false> : sum_tile<false, false>);
+    count = sum(table, dim, indices, begin, end, entry_weights, padding_idx, column, prefetch_end, total);
   } else {
     for (int64_t i = begin; i < end; ++i) {
       if (i + kAhead < prefetch_end) prefetch<0>(table + indices[i + kAhead] * dim, dim);  // read once, here
