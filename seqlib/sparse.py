@@ -189,7 +189,7 @@ def lookup_table(module, input: mx.array):
     if padding_idx is not None:
         at = int(np.searchsorted(state.unique, padding_idx))
         padding_idx = at if at < state.unique.size and state.unique[at] == padding_idx else None
-    return state.rows, mx.array(positions.astype(np.int32)), padding_idx
+    return state.rows, mx.array(positions.astype(np.int32, copy=False)), padding_idx
 
 
 def _check_table_module(module) -> None:
@@ -258,7 +258,7 @@ def value_and_grad(model: nn.Module, fn):
             elif table.padding_idx is not None and table.padding_idx in unique:  # its row gets no gradient
                 keep = unique != table.padding_idx
                 unique, grad = unique[keep], grad[mx.array(np.flatnonzero(keep))]
-            sparse_grad = SparseGradient(mx.array(unique.astype(np.int32)), grad, table.weight.shape)
+            sparse_grad = SparseGradient(mx.array(unique.astype(np.int32, copy=False)), grad, table.weight.shape)
             object.__setattr__(sparse_grad, "_coalesced", True)  # np.unique's rows: the optimizers need not look
             flat.append((f"{name}.weight" if name else "weight", sparse_grad))
         return value, tree_unflatten(flat)
@@ -329,7 +329,7 @@ def _row_argument(weight: mx.array, unique: np.ndarray):
     one unread zero row (MLX cannot differentiate a lookup into a (0, D) array; its gradient is dropped)."""
     if unique.size == 0:
         return mx.zeros((1, weight.shape[1]), weight.dtype), lambda rows: rows
-    rows = mx.array(unique.astype(np.int32))
+    rows = mx.array(unique.astype(np.int32, copy=False))
     if native.serves(weight.dtype):
         delta = mx.broadcast_to(mx.array(0, weight.dtype), (unique.size, weight.shape[1]))
         return delta, lambda delta: native.extension().sparse_rows(weight, rows, delta)
