@@ -115,24 +115,12 @@ inline void prefetch(const float* row, int64_t width) {
   __builtin_prefetch(last, 0, kLocality);
 }
 
-// The build's widest float vector, in GCC's vector extension (-march=native picks the instructions).  A bag's
-// columns are pooled kTile at a time, in kVectors of them: a row of 128 floats in one pass over the bag's entries
-// where AVX-512 holds it.
-#if defined(__AVX512F__)
-constexpr int64_t kLanes = 16;
-#elif defined(__AVX__)
-constexpr int64_t kLanes = 8;
-#else
-constexpr int64_t kLanes = 4;
-#endif
-typedef float Floats __attribute__((vector_size(4 * kLanes)));
+// A bag's columns are pooled kTile at a time, in kVectors of the build's widest vectors: a row of 128 floats in
+// one pass over the bag's entries where AVX-512 holds it.
+using seqlib_cpu::Floats;
+using seqlib_cpu::kLanes;
+using seqlib_cpu::load;
 constexpr int64_t kVectors = 8, kTile = kVectors * kLanes;
-
-inline Floats load(const float* from) {
-  Floats v;
-  std::memcpy(&v, from, sizeof v);  // an unaligned load
-  return v;
-}
 
 // Sum and mean, kTile columns from `column` of one bag: each counted entry adds its row (times its weight where
 // kWeighted) in vector registers into total; returns how many entries counted.  Where prefetch_end > 0 (the
@@ -149,10 +137,9 @@ int64_t sum_tile(const float* __restrict table, int64_t dim, const int32_t* __re
   int64_t count = 0;
   for (int64_t i = begin; i < end; ++i) {
     const float* ahead = prefetch_end > 0 ? table + indices[std::min(i + kAhead, prefetch_end - 1)] * dim : nullptr;
-    if (indices[i] == padding_idx || (!kInterleaved && ahead != nullptr)) {
-      if (ahead != nullptr) prefetch<0>(ahead, dim);
-      if (indices[i] == padding_idx) continue;
-    }
+    const bool padding = indices[i] == padding_idx;
+    if (ahead != nullptr && (padding || !kInterleaved)) prefetch<0>(ahead, dim);  // the whole row at once
+    if (padding) continue;
     const float* __restrict row = table + indices[i] * dim + column;
     const char* line = reinterpret_cast<const char*>(ahead);
     for (int64_t v = 0; v < kVectors; ++v) {
@@ -165,7 +152,7 @@ int64_t sum_tile(const float* __restrict table, int64_t dim, const int32_t* __re
     }
     ++count;
   }
-  for (int64_t v = 0; v < kVectors; ++v) std::memcpy(total + v * kLanes, &sums[v], sizeof sums[v]);
+  for (int64_t v = 0; v < kVectors; ++v) seqlib_cpu::store(total + v * kLanes, sums[v]);
   return count;
 }
 

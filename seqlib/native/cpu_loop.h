@@ -444,6 +444,25 @@ void parallel_for(int64_t count, int64_t work, Body body) {
   run_parallel(static_cast<int>(threads), [&](int) { take_chunks(); });
 }
 
+// The build's widest float vector, in GCC's vector extension (-march=native picks the instructions): loops that
+// need no intrinsics (the bags' pooling, the losses) are written once for AVX-512, AVX and SSE.
+#if defined(__AVX512F__)
+constexpr int kLanes = 16;
+#elif defined(__AVX__)
+constexpr int kLanes = 8;
+#else
+constexpr int kLanes = 4;
+#endif
+typedef float Floats __attribute__((vector_size(4 * kLanes)));
+
+// A vector's unaligned load and store.
+inline Floats load(const float* from) {
+  Floats v;
+  std::memcpy(&v, from, sizeof v);
+  return v;
+}
+inline void store(float* to, Floats v) { std::memcpy(to, &v, sizeof v); }
+
 // Whether a loop writing `bytes` of output should write it past the caches (copy_streaming): where it outgrows the
 // L2 of every thread that may write it, so that its lines would only evict what the loop reads, and each would be
 // read from memory before it is written (a read for ownership), a third of the traffic of a copy.  Embedding's gather

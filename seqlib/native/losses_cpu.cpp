@@ -46,23 +46,12 @@ using namespace nb::literals;
 
 namespace {
 
-// The build's widest float vector (GCC's vector extension: -march=native picks the instructions).
-#if defined(__AVX512F__)
-constexpr int kLanes = 16;
-#elif defined(__AVX__)
-constexpr int kLanes = 8;
-#else
-constexpr int kLanes = 4;
-#endif
-typedef float Floats __attribute__((vector_size(4 * kLanes)));
+using seqlib_cpu::Floats;
+using seqlib_cpu::kLanes;
+using seqlib_cpu::load;
+using seqlib_cpu::store;
 typedef int32_t Ints __attribute__((vector_size(4 * kLanes)));
 
-Floats load(const float* p) {
-  Floats v;
-  std::memcpy(&v, p, sizeof(v));
-  return v;
-}
-void store(float* p, Floats v) { std::memcpy(p, &v, sizeof(v)); }
 Floats splat(float x) { return Floats{} + x; }
 
 // exp(x) for x <= 0 (or NaN, which stays NaN): see the header.
