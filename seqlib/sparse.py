@@ -136,6 +136,25 @@ class _Rows:
     lookups: int = 1  # how many times the first run looked the table up
     rows: mx.array | None = None
     position_of: np.ndarray | None = None  # (V,) where each table row is in `unique` (-1: not there), made once
+    recorded: list[np.ndarray] = field(default_factory=list)  # the first run's lookups, flat, in call order
+    recorded_positions: list[np.ndarray] | None = None  # their positions in `unique`, where the first run has them
+    calls: int = 0  # the second run's lookups so far
+
+    def positions_of_call(self, input: np.ndarray) -> np.ndarray:
+        """The second run's next lookup ``input`` renumbered into ``unique``: the first run's positions where
+        that run's lookup of the same turn read the same indices, else :meth:`positions`.  A RuntimeError where
+        ``input`` reads a row the first run did not."""
+        call, self.calls = self.calls, self.calls + 1
+        if (self.recorded_positions is not None and call < len(self.recorded)
+                and np.array_equal(self.recorded[call], input.reshape(-1))):  # fmt: skip
+            return self.recorded_positions[call].reshape(input.shape)
+        positions = self.positions(input)
+        if positions.size and positions.min() < 0:
+            raise RuntimeError(
+                "seqlib.sparse.value_and_grad: loss_fn looked up rows on its second run that it did not "
+                "look up on its first; the rows a batch reads must not change between the two runs"
+            )
+        return positions
 
     def positions(self, flat: np.ndarray) -> np.ndarray:
         """Where each of ``flat``'s rows is in ``unique``; -1 where it is not there (or not a row at all).
@@ -179,12 +198,7 @@ def lookup_table(module, input: mx.array):
         state.calls.append(np.asarray(input).reshape(-1))
     if not isinstance(state, _Rows):
         return module.weight, input, module.padding_idx
-    positions = state.positions(np.asarray(input))
-    if positions.size and positions.min() < 0:
-        raise RuntimeError(
-            "seqlib.sparse.value_and_grad: loss_fn looked up rows on its second run that it did not "
-            "look up on its first; the rows a batch reads must not change between the two runs"
-        )
+    positions = state.positions_of_call(np.asarray(input))
     padding_idx = module.padding_idx
     if padding_idx is not None:
         at = int(np.searchsorted(state.unique, padding_idx))
@@ -246,64 +260,81 @@ def value_and_grad(model: nn.Module, fn):
         if not tables:
             return nn.value_and_grad(model, fn)(*args, **kwargs)
         try:
-            unique_rows = _record_rows(tables, fn, args, kwargs)
-            value, dense_grads, row_grads = _differentiate(model, tables, unique_rows, fn, args, kwargs)
+            states = _record_rows(tables, fn, args, kwargs)
+            value, dense_grads, row_grads = _differentiate(model, tables, states, fn, args, kwargs)
         finally:
             for _, table in tables:
                 table.sparse_recording = None
         flat = tree_flatten(dense_grads)
-        for (name, table), unique, grad in zip(tables, unique_rows, row_grads, strict=True):
-            if unique.size == 0:  # no rows read: drop _gather_rows' stand-in row
-                grad = grad[:0]
-            elif table.padding_idx is not None and table.padding_idx in unique:  # its row gets no gradient
-                keep = unique != table.padding_idx
-                unique, grad = unique[keep], grad[mx.array(np.flatnonzero(keep))]
-            sparse_grad = SparseGradient(mx.array(unique.astype(np.int32, copy=False)), grad, table.weight.shape)
-            object.__setattr__(sparse_grad, "_coalesced", True)  # np.unique's rows: the optimizers need not look
-            flat.append((f"{name}.weight" if name else "weight", sparse_grad))
+        for (name, table), state, grad in zip(tables, states, row_grads, strict=True):
+            flat.append((f"{name}.weight" if name else "weight", _row_gradient(table, state.unique, grad)))
         return value, tree_unflatten(flat)
 
     return loss_and_grads
 
 
-def _record_rows(tables, fn, args, kwargs) -> list[np.ndarray]:
+def _row_gradient(table, unique: np.ndarray, grad: mx.array) -> SparseGradient:
+    """The SparseGradient of ``table`` from the gradient (U, D) of its rows ``unique`` (sorted, distinct, in
+    [0, V): :func:`_sorted_unique`'s, so not checked again), less the padding row, which gets none."""
+    if unique.size == 0:  # no rows read: drop _row_argument's stand-in row
+        grad = grad[:0]
+    elif table.padding_idx is not None and table.padding_idx in unique:
+        keep = unique != table.padding_idx
+        unique, grad = unique[keep], grad[mx.array(np.flatnonzero(keep))]
+    gradient = object.__new__(SparseGradient)  # the dataclass's fields, without __post_init__'s checks
+    fields = {"indices": mx.array(unique.astype(np.int32, copy=False)), "values": grad,
+              "shape": tuple(table.weight.shape), "_coalesced": True}  # fmt: skip
+    for name, value in fields.items():
+        object.__setattr__(gradient, name, value)
+    return gradient
+
+
+def _record_rows(tables, fn, args, kwargs) -> list[_Rows]:
     """First run: which rows does each sparse table read?  (Nothing but indices is evaluated.)"""
     for _, table in tables:
         table.sparse_recording = _Recording()
     fn(*args, **kwargs)
-    unique_rows = []
+    states = []
     for name, table in tables:
         calls = table.sparse_recording.calls
-        flat = np.concatenate(calls) if calls else np.zeros(0, np.int64)
-        check_index_range(flat, table.weight.shape[0], f"input of {name or 'model'}")
-        unique_rows.append(_sorted_unique(flat, table.weight.shape[0]))
-    return unique_rows
+        flat = calls[0] if len(calls) == 1 else np.concatenate(calls) if calls else np.zeros(0, np.int64)
+        num_embeddings = table.weight.shape[0]
+        unique, positions = _sorted_unique(flat, num_embeddings, f"input of {name or 'model'}")
+        if positions is not None:  # each lookup's share, in call order
+            positions = np.split(positions, np.cumsum([call.size for call in calls[:-1]]))
+        states.append(_Rows(unique, num_embeddings, lookups=len(calls), recorded=calls, recorded_positions=positions))
+    return states
 
 
-def _sorted_unique(indices: np.ndarray, num_embeddings: int) -> np.ndarray:
-    """``np.unique(indices)`` for indices in [0, V): seqlib.native's bitmap of the rows where it runs and
-    pays, else one sort (NumPy 2's hashing unique is about 20x slower on 80k indices)."""
+def _sorted_unique(indices: np.ndarray, num_embeddings: int, name: str) -> tuple[np.ndarray, np.ndarray | None]:
+    """``np.unique(indices)`` after checking that every index lies in [0, V) (an IndexError naming ``name``),
+    and where each index is among the unique rows, or None.  seqlib.native's bitmap of the rows gives both where
+    it runs and pays; else one sort gives the rows (NumPy 2's hashing unique is about 20x slower on 80k
+    indices) and the second run finds the positions (:meth:`_Rows.positions`)."""
     bitmaps = _row_bitmaps(num_embeddings, indices.size)
     if bitmaps is not None:
-        return bitmaps.unique_rows(_native_ints(indices), num_embeddings)
+        try:
+            return bitmaps.unique_rows(_native_ints(indices), num_embeddings)
+        except IndexError:
+            check_index_range(indices, num_embeddings, name)  # the message of every lookup
+            raise
+    check_index_range(indices, num_embeddings, name)
     ordered = np.sort(indices)
-    return ordered[np.concatenate(([True], ordered[1:] != ordered[:-1]))] if ordered.size else ordered
+    return (ordered[np.concatenate(([True], ordered[1:] != ordered[:-1]))] if ordered.size else ordered), None
 
 
-def _differentiate(model, tables, unique_rows, fn, args, kwargs):
+def _differentiate(model, tables, states, fn, args, kwargs):
     """Second run: gradients of the dense parameters and of the rows read (see :func:`_row_argument`)."""
-    states = [_Rows(unique, table.weight.shape[0], lookups=len(table.sparse_recording.calls))  # the first run's
-              for (_, table), unique in zip(tables, unique_rows, strict=True)]  # fmt: skip
     arguments, rows_of = [], []  # what is differentiated for each table, and the rows its lookups read from it
-    for (_, table), unique in zip(tables, unique_rows, strict=True):
-        argument, rows = _row_argument(table.weight, unique)
+    for (_, table), state in zip(tables, states, strict=True):
+        argument, rows = _row_argument(table.weight, state.unique)
         arguments.append(argument)
         rows_of.append(rows)
 
     def loss_of(dense_params, table_arguments):
         model.update(dense_params)
         for (_, table), state, argument, rows in zip(tables, states, table_arguments, rows_of, strict=True):
-            state.rows = rows(argument)
+            state.rows, state.calls = rows(argument), 0
             table.sparse_recording = state
         return fn(*args, **kwargs)
 

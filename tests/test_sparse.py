@@ -157,6 +157,28 @@ def test_a_loss_that_reads_other_rows_the_second_time_is_refused(second, vocab, 
     assert model.sparse_recording is None and "weight" in model.trainable_parameters()
 
 
+@pytest.mark.parametrize("second", [[[2, 1, 1]], [[1, 2], [2, 2]], [[2, 1], [1, 2]], [[1], [2, 1]]])
+@pytest.mark.parametrize("bitmaps", [True, False])
+def test_a_loss_that_reads_its_rows_otherwise_the_second_time_gets_their_gradient(second, bitmaps, monkeypatch):
+    """The first run's positions serve only a lookup that reads what the first run's lookup of that turn read:
+    other orders, counts and splits of the same rows are renumbered again."""
+    if not bitmaps:
+        without_row_bitmaps(monkeypatch)
+    model = seqlib.nn.Embedding(5, 2, sparse=True)
+    runs = iter([[[1, 2], [2, 1]], second])
+    scale = mx.arange(2, dtype=mx.float32) + 1
+
+    def loss(model):
+        return sum(((model(mx.array(ids)) * scale) * (turn + 1)).sum() for turn, ids in enumerate(next(runs)))
+
+    _, grads = seqlib.sparse.value_and_grad(model, loss)(model)
+    expected = np.zeros((5, 2), np.float32)
+    for turn, ids in enumerate(second):
+        np.add.at(expected, ids, (turn + 1) * np.array([1, 2], np.float32))
+    assert np.array(grads["weight"].indices).tolist() == [1, 2]
+    np.testing.assert_array_equal(np.array(grads["weight"].to_dense()), expected)
+
+
 INDEX_DTYPES = [np.int32, np.int64, np.uint8, np.int16, np.uint32, np.uint64]
 
 
@@ -170,8 +192,16 @@ def test_the_row_bitmaps_renumber_rows_as_numpy_does(vocab, count, dtype, seed):
     rng = np.random.default_rng(seed)
     high = min(vocab, np.iinfo(dtype).max + 1)
     indices = rng.integers(0, high, size=count).astype(dtype)
-    unique = _sorted_unique(indices, vocab)
-    np.testing.assert_array_equal(unique, np.unique(indices))
+    unique, positions = _sorted_unique(indices, vocab, "input")
+    expected, inverse = np.unique(indices, return_inverse=True)
+    np.testing.assert_array_equal(unique, expected)
+    assert unique.dtype == positions.dtype == np.int32
+    np.testing.assert_array_equal(positions, inverse.reshape(-1))
+    with pytest.MonkeyPatch.context() as patch:
+        without_row_bitmaps(patch)
+        numpy_unique, no_positions = _sorted_unique(indices, vocab, "input")
+    np.testing.assert_array_equal(numpy_unique, expected)
+    assert no_positions is None  # the second run finds them
     # the second run's indices: any shape, rows read or not, and values that are no row at all
     asked = np.concatenate([indices, rng.integers(-3, vocab + 3, size=50)]).astype(np.int64)
     asked = asked[: asked.size // 2 * 2].reshape(2, -1)
@@ -192,6 +222,9 @@ def test_the_row_bitmaps_refuse_what_they_cannot_read():
         pytest.skip("seqlib.native is not available here")
     with pytest.raises(IndexError, match=r"indices: every index must lie in \[0, 10\), got 10"):
         bitmaps.unique_rows(np.array([3, 10], np.int32), 10)
+    with pytest.raises(IndexError, match=r"input of emb: every index must lie in \[0, 10\) \(num_embeddings=10\); "
+                                         r"got values from 3 to 10"):  # the message of every lookup
+        seqlib.sparse._sorted_unique(np.array([3, 10], np.int32), 10, "input of emb")
     with pytest.raises(IndexError, match=r"got -1"):
         bitmaps.unique_rows(np.array([-1], np.int64), 10)
     for unique in ([3, 3], [4, 2], [10], [-1]):
@@ -207,7 +240,8 @@ def test_the_row_bitmaps_refuse_what_they_cannot_read():
             bitmaps.row_positions(np.array([3], np.int32), indices, 10)
     with pytest.raises(TypeError):
         bitmaps.row_positions(np.array([2**32 + 3], np.int64), np.array([3], np.int32), 10)
-    assert bitmaps.unique_rows(np.zeros(0, np.int32), 0).shape == (0,)
+    unique, positions = bitmaps.unique_rows(np.zeros(0, np.int32), 0)
+    assert unique.shape == positions.shape == (0,)
 
 
 OPTIMIZERS = [

@@ -7,8 +7,10 @@
 // (V / 8 bytes: 125 KB for a million rows, which stays in L2) and the count of set bits before
 // each 64-row word do both in O(V / 64 + N), on contiguous 1-D NumPy arrays (int32 or int64):
 //
-//   unique_rows(indices, rows)            the distinct values of indices, sorted, as int32; every
-//                                         one must lie in [0, rows) (an IndexError otherwise)
+//   unique_rows(indices, rows)            (unique, positions): the distinct values of indices, sorted,
+//                                         and where each index is among them, both int32 (NumPy's
+//                                         unique with return_inverse); every index must lie in
+//                                         [0, rows) (an IndexError otherwise)
 //   row_positions(unique, indices, rows)  int32, where each index is in unique (sorted distinct
 //                                         values in [0, rows)); -1 where it is not, or not in [0, rows)
 //
@@ -19,10 +21,12 @@
 #include <cstdint>
 #include <stdexcept>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include <nanobind/nanobind.h>
 #include <nanobind/ndarray.h>
+#include <nanobind/stl/pair.h>
 
 #include "cpu_loop.h"
 
@@ -82,7 +86,7 @@ void check_rows(int64_t rows) {
 }
 
 template <class T>
-Rows unique_rows(Indices<T> indices, int64_t rows) {
+std::pair<Rows, Rows> unique_rows(Indices<T> indices, int64_t rows) {
   check_rows(rows);
   RowSet set(rows);
   const T* index = indices.data();
@@ -94,10 +98,12 @@ Rows unique_rows(Indices<T> indices, int64_t rows) {
     set.add(index[i]);
   }
   set.count();
-  int32_t* out;
-  Rows unique = new_rows(set.size(), &out);
-  set.list(out);
-  return unique;
+  int32_t *row, *at;
+  Rows unique = new_rows(set.size(), &row);
+  set.list(row);
+  Rows positions = new_rows(indices.shape(0), &at);
+  for (size_t i = 0; i < indices.shape(0); ++i) at[i] = set.position(index[i]);
+  return {unique, positions};
 }
 
 template <class T>
