@@ -418,10 +418,24 @@ def _bag_arguments(input, num_embeddings, dtype, offsets, mode, per_sample_weigh
     indices, offsets, flat_weights, include_last_offset = flatten_bags(
         input, offsets, per_sample_weights, include_last_offset
     )
-    indices, outside = _checked_indices(indices, num_embeddings, path)
+    bounds = _host_bag_bounds(indices, offsets, num_embeddings, include_last_offset)
+    outside = broken = None
+    if bounds is None:
+        indices, outside = _checked_indices(indices, num_embeddings, path)
     padding_idx = normalize_padding_idx(padding_idx, num_embeddings)
-    bounds, broken = _checked_bounds(offsets, indices.size, include_last_offset, path)
+    if bounds is None:
+        bounds, broken = _checked_bounds(offsets, indices.size, include_last_offset, path)
     return indices, outside, offsets, include_last_offset, bounds, broken, flat_weights, padding_idx
+
+
+def _host_bag_bounds(indices, offsets, num_embeddings: int, include_last_offset: bool) -> mx.array | None:
+    """The bounds (B + 1,) int32 where seqlib.native checked ``indices`` and ``offsets`` on the host in one pass
+    and they passed; else None (not built here, NumPy or lazy arrays, or a check failed): then
+    :func:`_checked_indices` and :func:`_checked_bounds` check them, with their messages."""
+    extension = native.module()
+    if extension is None or not isinstance(indices, mx.array) or not isinstance(offsets, mx.array):
+        return None
+    return extension.host_bag_bounds(indices, offsets, num_embeddings, include_last_offset)
 
 
 def _dequantized_rows(indices, weight, scales, biases, group_size, bits, mode) -> mx.array:

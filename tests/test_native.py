@@ -730,6 +730,51 @@ def test_the_bag_primitive_refuses_arrays_of_other_kinds():
         extension.bag_pool_backward(mx.zeros((2, 3)), weight, mx.array([1, 2]), bounds, None, 0, -1)
 
 
+HOST_INDEX_DTYPES = [mx.int8, mx.uint8, mx.int16, mx.uint16, mx.int32, mx.uint32, mx.int64, mx.uint64]
+
+
+@linux_only
+@given(st.lists(st.integers(-3, 12), max_size=12), st.lists(st.integers(-2, 14), max_size=6),
+       st.sampled_from(HOST_INDEX_DTYPES), st.sampled_from(HOST_INDEX_DTYPES), st.booleans(), st.integers(0, 10))
+@settings(max_examples=300, deadline=None)
+def test_the_host_bag_check_passes_what_the_python_checks_pass(ids, offsets, id_dtype, offset_dtype, last, rows):
+    """host_bag_bounds gives bag_bounds' int32 bounds where check_index_range and bag_bounds pass, else None
+    (then Python raises its own message): never a layout that Python refuses, whatever the dtypes."""
+    from seqlib._bags import bag_bounds
+    from seqlib._checks import check_index_range
+
+    signed = not mx.issubdtype(id_dtype, mx.unsignedinteger), not mx.issubdtype(offset_dtype, mx.unsignedinteger)
+    ids = [i for i in ids if signed[0] or i >= 0]
+    offsets = [o for o in offsets if signed[1] or o >= 0]
+    indices, offsets_array = mx.array(ids, id_dtype), mx.array(offsets, offset_dtype)
+    try:
+        check_index_range(np.array(indices), rows, "input")
+        expected = bag_bounds(np.array(offsets_array), len(ids), last, np.int32)
+    except (IndexError, ValueError):
+        expected = None
+    bounds = native.extension().host_bag_bounds(indices, offsets_array, rows, last)
+    if bounds is None:
+        assert expected is None or len(offsets) == 0  # empty offsets: left to Python, which gives no bags
+    else:
+        assert expected is not None and bounds.dtype == mx.int32
+        np.testing.assert_array_equal(np.array(bounds), expected)
+
+
+@linux_only
+def test_the_host_bag_check_leaves_what_it_cannot_read_to_python():
+    extension = native.extension()
+    ids, offsets = mx.array([1, 2, 3]), mx.array([0, 1])
+    assert np.array(extension.host_bag_bounds(ids, offsets, 4, False)).tolist() == [0, 1, 3]
+    strided = mx.array([0, 1, 5, 1])[::2]
+    mx.eval(strided)  # a view of every other element, offsets [0, 5] past the input: read as it lies, [0, 1]
+    for indices, offs in ((ids + 0, offsets), (ids, offsets + 0),  # lazy: not evaluated yet
+                          (mx.array([[1, 2, 3]]), offsets), (ids, strided),  # not 1-D, not contiguous
+                          (mx.array([1.0, 2.0]), offsets), (ids, mx.array([0.0, 1.0]))):  # not integers
+        assert extension.host_bag_bounds(indices, offs, 4, False) is None
+    huge = mx.array(np.array([2**63 + 1], np.uint64))  # beyond int64: no wrap to a negative or small row
+    assert extension.host_bag_bounds(huge, mx.array([0]), 4, False) is None
+
+
 @linux_only
 def test_take_rows_copies_rows_bit_for_bit():
     """seqlib.sparse gathers a batch's rows with it: NaN, infinities and -0.0 must come through unchanged."""
