@@ -138,13 +138,13 @@ class _Rows:
     position_of: np.ndarray | None = None  # (V,) where each table row is in `unique` (-1: not there), made once
     recorded: list[np.ndarray] = field(default_factory=list)  # the first run's lookups, flat, in call order
     recorded_positions: list[np.ndarray] | None = None  # their positions in `unique`, where the first run has them
-    calls: int = 0  # the second run's lookups so far
+    served: int = 0  # the second run's lookups so far
 
     def positions_of_call(self, input: np.ndarray) -> np.ndarray:
         """The second run's next lookup ``input`` renumbered into ``unique``: the first run's positions where
         that run's lookup of the same turn read the same indices, else :meth:`positions`.  A RuntimeError where
         ``input`` reads a row the first run did not."""
-        call, self.calls = self.calls, self.calls + 1
+        call, self.served = self.served, self.served + 1
         if (self.recorded_positions is not None and call < len(self.recorded)
                 and np.array_equal(self.recorded[call], input.reshape(-1))):  # fmt: skip
             return self.recorded_positions[call].reshape(input.shape)
@@ -334,7 +334,7 @@ def _differentiate(model, tables, states, fn, args, kwargs):
     def loss_of(dense_params, table_arguments):
         model.update(dense_params)
         for (_, table), state, argument, rows in zip(tables, states, table_arguments, rows_of, strict=True):
-            state.rows, state.calls = rows(argument), 0
+            state.rows, state.served = rows(argument), 0
             table.sparse_recording = state
         return fn(*args, **kwargs)
 
