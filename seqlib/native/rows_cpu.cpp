@@ -57,13 +57,6 @@ class RowSet {
     const uint64_t below = bits_[row >> 6] & ((uint64_t{1} << (row & 63)) - 1);
     return static_cast<int32_t>(rank_[row >> 6] + std::popcount(below));
   }
-  void list(int32_t* out) const {  // the set rows, increasing
-    for (size_t w = 0; w < bits_.size(); ++w) {
-      for (uint64_t word = bits_[w]; word != 0; word &= word - 1) {
-        *out++ = static_cast<int32_t>(64 * w + std::countr_zero(word));
-      }
-    }
-  }
 
  private:
   int64_t rows_;
@@ -98,11 +91,16 @@ std::pair<Rows, Rows> unique_rows(Indices<T> indices, int64_t rows) {
     set.add(index[i]);
   }
   set.count();
+  // Each index writes itself at its position: that lists the rows in order without a loop over the words, whose
+  // exits at every set bit mispredict (84,570 indices of a 1M-row table, cold, interleaved builds: 0.27-0.29 ms
+  // with that loop, 0.19-0.20 so).
   int32_t *row, *at;
   Rows unique = new_rows(set.size(), &row);
-  set.list(row);
   Rows positions = new_rows(indices.shape(0), &at);
-  for (size_t i = 0; i < indices.shape(0); ++i) at[i] = set.position(index[i]);
+  for (size_t i = 0; i < indices.shape(0); ++i) {
+    at[i] = set.position(index[i]);
+    row[at[i]] = static_cast<int32_t>(index[i]);
+  }
   return {unique, positions};
 }
 
