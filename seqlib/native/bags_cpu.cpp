@@ -290,11 +290,12 @@ void find_max_winners(const float* __restrict table, int64_t dim, const int32_t*
 // all the bags' winners, uses four ranges per thread.
 constexpr int64_t kSpanBytes = 256 << 10;
 
-// A range holds a power of two of rows (for sum and mean, at most kSpanBytes), so that an entry finds its range with a shift, not a
-// division.  Mean bags, 84,570 entries into 81,025 rows of 128 (seqlib.sparse's rows), 2-core Zen 5, builds
-// interleaved, ms: grouping the entries (below) 0.40 -> 0.20 (ranges of 512 rows); the whole backward 2.29 / 2.33 -> 2.09 / 2.11, and
-// in another pair of runs 2.34 / 2.49 -> 2.20 / 2.32 (256 rows, as here).  Writing each range through an L2 scratch with non-temporal
-// stores (no read for ownership) was slower there: 2.54-2.57 against 2.30-2.31.
+// A range holds a power of two of rows (for sum and mean, at most kSpanBytes), so that an entry finds its range
+// with a shift, not a division.  Mean bags, 84,570 entries into 81,025 rows of 128 (seqlib.sparse's rows), 2-core
+// Zen 5, builds interleaved, ms: grouping the entries (below) 0.40 -> 0.20 (ranges of 512 rows); the whole backward
+// 2.29 / 2.33 -> 2.09 / 2.11, and in another pair of runs 2.34 / 2.49 -> 2.20 / 2.32 (256 rows, as here).  Writing
+// each range through an L2 scratch with non-temporal stores (no read for ownership) was slower there: 2.54-2.57
+// against 2.30-2.31.
 struct RowRanges {
   int shift;  // a range's rows: 1 << shift
   int64_t count;  // ranges

@@ -54,34 +54,39 @@ struct Range {
   bool operator==(const Range&) const = default;
 };
 
-// Every element of an integer array of any width, as int64 (uint64 beyond int64's range: as the maximum).
+// An integer of any width as int64 (a uint64 beyond int64's range: as the maximum, which no bound admits).
 template <class T>
-void read_as_int64(const mx::array& array, std::vector<int64_t>& values) {
-  const T* data = array.data<T>();
-  values.resize(array.size());
-  for (size_t i = 0; i < values.size(); ++i) {
-    if constexpr (std::is_unsigned_v<T> && sizeof(T) == 8) {
-      values[i] = data[i] > static_cast<T>(std::numeric_limits<int64_t>::max()) ? std::numeric_limits<int64_t>::max()
-                                                                                : static_cast<int64_t>(data[i]);
-    } else {
-      values[i] = static_cast<int64_t>(data[i]);
-    }
+int64_t as_int64(T value) {
+  if constexpr (std::is_unsigned_v<T> && sizeof(T) == 8) {
+    return value > static_cast<T>(std::numeric_limits<int64_t>::max()) ? std::numeric_limits<int64_t>::max()
+                                                                        : static_cast<int64_t>(value);
+  }
+  return static_cast<int64_t>(value);
+}
+
+// visit(T{}) with the C++ type T of an integer dtype; an invalid_argument for any other dtype.
+template <class Visit>
+void visit_integer(mx::Dtype dtype, Visit visit) {
+  switch (dtype) {
+    case mx::int8: return visit(int8_t{});
+    case mx::int16: return visit(int16_t{});
+    case mx::int32: return visit(int32_t{});
+    case mx::int64: return visit(int64_t{});
+    case mx::uint8: return visit(uint8_t{});
+    case mx::uint16: return visit(uint16_t{});
+    case mx::uint32: return visit(uint32_t{});
+    case mx::uint64: return visit(uint64_t{});
+    default: throw std::invalid_argument("expected an integer array");
   }
 }
 
+// Every element of a row-contiguous integer array of any width, as int64 (as_int64).
 std::vector<int64_t> int64_values(const mx::array& array) {
-  std::vector<int64_t> values;
-  switch (array.dtype()) {
-    case mx::int8: read_as_int64<int8_t>(array, values); break;
-    case mx::int16: read_as_int64<int16_t>(array, values); break;
-    case mx::int32: read_as_int64<int32_t>(array, values); break;
-    case mx::int64: read_as_int64<int64_t>(array, values); break;
-    case mx::uint8: read_as_int64<uint8_t>(array, values); break;
-    case mx::uint16: read_as_int64<uint16_t>(array, values); break;
-    case mx::uint32: read_as_int64<uint32_t>(array, values); break;
-    case mx::uint64: read_as_int64<uint64_t>(array, values); break;
-    default: throw std::invalid_argument("expected an integer array");
-  }
+  std::vector<int64_t> values(array.size());
+  visit_integer(array.dtype(), [&](auto zero) {
+    const auto* data = array.data<decltype(zero)>();
+    for (size_t i = 0; i < values.size(); ++i) values[i] = as_int64(data[i]);
+  });
   return values;
 }
 
@@ -109,32 +114,42 @@ struct BagRule {
   bool operator==(const BagRule&) const = default;
 };
 
+// The first of torch's rules that offsets (not empty) break, in seqlib._bags.checked_offsets's words: start at 0,
+// do not decrease, lie within the input, and with include_last_offset end at its length.  Empty where they keep all.
+std::string offsets_error(const std::vector<int64_t>& offsets, const BagRule& rule) {
+  for (size_t b = 0; b < offsets.size(); ++b) {
+    const int64_t offset = offsets[b];
+    if (b == 0 && offset != 0) {
+      return "offsets: the first bag must start at 0, got offsets[0] = " + std::to_string(offset);
+    }
+    if (b > 0 && offset < offsets[b - 1]) {
+      return "offsets: must be non-decreasing, got offsets[" + std::to_string(b - 1) + "] = " +
+             std::to_string(offsets[b - 1]) + " > offsets[" + std::to_string(b) + "] = " + std::to_string(offset);
+    }
+    if (offset > rule.input_size) {
+      return "offsets: may not point past the end of input (length " + std::to_string(rule.input_size) +
+             "), got offsets[" + std::to_string(b) + "] = " + std::to_string(offset);
+    }
+  }
+  if (rule.include_last_offset && offsets.back() != rule.input_size) {
+    return "offsets: with include_last_offset=True the last offset must be the length of input (" +
+           std::to_string(rule.input_size) + "), got offsets[-1] = " + std::to_string(offsets.back());
+  }
+  return {};
+}
+
 // ins: offsets (B,) or (B + 1,); outs: bounds (B + 1,) int32, made valid (non-decreasing in [0, N],
-// from 0 to N) whatever the offsets were.  The messages are seqlib._bags.checked_offsets's.
+// from 0 to N) whatever the offsets were; then the first broken rule (offsets_error) is thrown.
 void check_bounds(std::vector<mx::array>& ins, std::vector<mx::array>& outs, const BagRule& rule) {
   const std::vector<int64_t> offsets = int64_values(ins[0]);
   int32_t* bounds = outs[0].data<int32_t>();
-  std::string error;
   int64_t previous = 0;
   for (size_t b = 0; b < offsets.size(); ++b) {
-    const int64_t offset = offsets[b];
-    if (error.empty() && b == 0 && offset != 0) {
-      error = "offsets: the first bag must start at 0, got offsets[0] = " + std::to_string(offset);
-    } else if (error.empty() && b > 0 && offset < offsets[b - 1]) {
-      error = "offsets: must be non-decreasing, got offsets[" + std::to_string(b - 1) + "] = " +
-              std::to_string(offsets[b - 1]) + " > offsets[" + std::to_string(b) + "] = " + std::to_string(offset);
-    } else if (error.empty() && offset > rule.input_size) {
-      error = "offsets: may not point past the end of input (length " + std::to_string(rule.input_size) +
-              "), got offsets[" + std::to_string(b) + "] = " + std::to_string(offset);
-    }
-    previous = b == 0 ? 0 : std::clamp<int64_t>(offset, previous, rule.input_size);
+    previous = b == 0 ? 0 : std::clamp<int64_t>(offsets[b], previous, rule.input_size);
     bounds[b] = static_cast<int32_t>(previous);
   }
-  if (error.empty() && rule.include_last_offset && offsets.back() != rule.input_size) {
-    error = "offsets: with include_last_offset=True the last offset must be the length of input (" +
-            std::to_string(rule.input_size) + "), got offsets[-1] = " + std::to_string(offsets.back());
-  }
   bounds[outs[0].size() - 1] = static_cast<int32_t>(rule.input_size);  // the last bag ends at the end
+  const std::string error = offsets_error(offsets, rule);
   if (!error.empty()) throw std::invalid_argument(error);
 }
 
@@ -174,38 +189,19 @@ mx::array checked_bounds(const mx::array& offsets, int64_t input_size, bool incl
                                BagRule{input_size, include_last_offset})[0];
 }
 
-// The smallest and largest of a row-contiguous integer array's elements, as int64 (uint64 beyond int64's range: as
-// the maximum); the array must not be empty.
-template <class T>
-std::pair<int64_t, int64_t> min_max_of(const mx::array& array) {
-  const T* data = array.data<T>();
-  T low = data[0], high = data[0];
-  for (size_t i = 1; i < array.size(); ++i) {
-    low = std::min(low, data[i]);
-    high = std::max(high, data[i]);
-  }
-  const auto wide = [](T value) {
-    if constexpr (std::is_unsigned_v<T> && sizeof(T) == 8) {
-      return value > static_cast<T>(std::numeric_limits<int64_t>::max()) ? std::numeric_limits<int64_t>::max()
-                                                                          : static_cast<int64_t>(value);
+// The smallest and largest elements of a non-empty row-contiguous integer array, as int64 (as_int64).
+std::pair<int64_t, int64_t> min_max(const mx::array& array) {
+  std::pair<int64_t, int64_t> range;
+  visit_integer(array.dtype(), [&](auto zero) {
+    const auto* data = array.data<decltype(zero)>();
+    auto low = data[0], high = data[0];
+    for (size_t i = 1; i < array.size(); ++i) {
+      low = std::min(low, data[i]);
+      high = std::max(high, data[i]);
     }
-    return static_cast<int64_t>(value);
-  };
-  return {wide(low), wide(high)};
-}
-
-std::optional<std::pair<int64_t, int64_t>> min_max(const mx::array& array) {
-  switch (array.dtype()) {
-    case mx::int8: return min_max_of<int8_t>(array);
-    case mx::int16: return min_max_of<int16_t>(array);
-    case mx::int32: return min_max_of<int32_t>(array);
-    case mx::int64: return min_max_of<int64_t>(array);
-    case mx::uint8: return min_max_of<uint8_t>(array);
-    case mx::uint16: return min_max_of<uint16_t>(array);
-    case mx::uint32: return min_max_of<uint32_t>(array);
-    case mx::uint64: return min_max_of<uint64_t>(array);
-    default: return std::nullopt;
-  }
+    range = {as_int64(low), as_int64(high)};
+  });
+  return range;
 }
 
 // Whether the host may read the array's values as they lie: evaluated, not traced, row-contiguous.
@@ -219,30 +215,22 @@ bool on_host(const mx::array& array) {
 std::optional<mx::array> host_bag_bounds(const mx::array& indices, const mx::array& offsets, int64_t rows,
                                          bool include_last_offset) {
   const int64_t entries = static_cast<int64_t>(indices.size());
-  if (!on_host(indices) || !on_host(offsets) || indices.ndim() != 1 || offsets.ndim() != 1 || offsets.size() == 0 ||
+  const auto readable = [](const mx::array& array) {
+    return on_host(array) && array.ndim() == 1 && mx::issubdtype(array.dtype(), mx::integer);
+  };
+  if (!readable(indices) || !readable(offsets) || offsets.size() == 0 ||
       entries > std::numeric_limits<int32_t>::max()) {
     return std::nullopt;
   }
   if (entries > 0) {
-    const auto range = min_max(indices);
-    if (!range || range->first < 0 || range->second >= rows) return std::nullopt;
+    const auto [low, high] = min_max(indices);
+    if (low < 0 || high >= rows) return std::nullopt;
   }
-  std::vector<int64_t> values;
-  try {
-    values = int64_values(offsets);
-  } catch (const std::invalid_argument&) {
-    return std::nullopt;
-  }
+  const std::vector<int64_t> values = int64_values(offsets);
+  if (!offsets_error(values, BagRule{entries, include_last_offset}).empty()) return std::nullopt;
   const size_t bags = values.size() - (include_last_offset ? 1 : 0);
-  std::vector<int32_t> bounds(bags + 1);
-  for (size_t b = 0; b < values.size(); ++b) {
-    if ((b == 0 && values[b] != 0) || (b > 0 && values[b] < values[b - 1]) || values[b] > entries) {
-      return std::nullopt;
-    }
-    if (b <= bags) bounds[b] = static_cast<int32_t>(values[b]);
-  }
-  if (include_last_offset && values.back() != entries) return std::nullopt;
-  bounds[bags] = static_cast<int32_t>(entries);
+  std::vector<int32_t> bounds(bags + 1, static_cast<int32_t>(entries));  // the last: the end of the input
+  std::transform(values.begin(), values.begin() + bags, bounds.begin(), [](int64_t v) { return int32_t(v); });
   return mx::array(bounds.begin(), mx::Shape{static_cast<int>(bags + 1)}, mx::int32);
 }
 
