@@ -653,6 +653,38 @@ def test_a_step_at_batch_1_shared_among_threads_gives_the_bits_of_one_thread(tmp
     by one thread in one order, so every thread count gives the same outputs and states."""
     assert_every_thread_count_gives_the_same_bits(WIDE_STEPS, tmp_path)
 
+
+QUANTIZED_WIDE_STEPS = """
+    import mlx.core as mx, numpy as np, sys
+    import seqlib
+    mx.random.seed(0)  # the modules' weights
+    rng = np.random.default_rng(0)
+    results = []
+    for kind, input_size, hidden_size, bits, group_size in (("LSTMCell", 640, 640, 8, 64),
+                                                            ("GRUCell", 320, 576, 4, 32),
+                                                            ("LSTM", 384, 640, 8, 128)):
+        module = getattr(seqlib.nn, kind)(input_size, hidden_size).to_quantized(group_size=group_size, bits=bits)
+        state = None
+        for _ in range(3):
+            x = mx.array(rng.standard_normal((1, input_size)).astype(np.float32))
+            if kind.endswith("Cell"):
+                state = module(x, state)
+            else:
+                output, state = module.step(x, state)
+                results.append(output)
+            results += list(state) if isinstance(state, tuple) else [state]
+    np.savez(sys.argv[1], *[np.array(r) for r in results])
+"""
+
+
+@linux_only
+def test_a_quantized_step_shared_among_threads_gives_the_bits_of_one_thread(tmp_path):
+    """The quantized step's rows are shared among a team as the float step's, taken 8 (AVX-512) or 4 at a time
+    from where each thread's rows start: a row sums in one order whichever rows it is taken with, so every thread
+    count gives the same outputs and states.  (With 3 threads or more, some threads' rows end in a block of 4 at
+    these widths; with 2, every split falls on a multiple of 32 rows.)"""
+    assert_every_thread_count_gives_the_same_bits(QUANTIZED_WIDE_STEPS, tmp_path)
+
 CONCURRENT_LOOPS = """
     import threading, numpy as np, mlx.core as mx
     from seqlib import native
