@@ -219,6 +219,24 @@ def test_the_quantized_step_refuses_malformed_arrays_with_a_clear_error():
         step("lstm", mx.zeros((2, 64)), [h, h], weights, 64, 8)
 
 
+@pytest.mark.skipif(not native.available(), reason="the quantized step is seqlib.native's")
+def test_a_streamed_step_reads_the_arrays_that_replaced_the_stored_ones():
+    """native_step_weights keeps its arrays until a stored array is replaced (``update``, ``load_weights``):
+    the next step reads the new packed weights."""
+    mx.random.seed(8)
+    module = seqlib.nn.LSTMCell(64, 64).to_quantized(group_size=64, bits=8)
+    other = seqlib.nn.LSTMCell(64, 64).to_quantized(group_size=64, bits=8)
+    x = mx.random.normal((1, 64), key=mx.random.key(3))
+    before = module(x)
+    first = module.native_step_weights([""])
+    assert module.native_step_weights([""]) is first  # kept while nothing changed
+    module.update(other.parameters())
+    assert module.native_step_weights([""])[0] is other["weight_ih"]
+    for mine, theirs in zip(module(x), other(x), strict=True):
+        np.testing.assert_array_equal(np.array(mine), np.array(theirs))
+    assert not np.array_equal(np.array(module(x)[0]), np.array(before[0]))
+
+
 def _packed(levels: np.ndarray, bits: int) -> np.ndarray:
     """(N, K) integers below 2**bits packed as mx.quantize packs them: value k of a row in bits
     [bits (k mod 32 / bits), + bits) of uint32 word k / (32 / bits)."""

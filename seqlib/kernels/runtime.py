@@ -116,7 +116,12 @@ def metal_available() -> bool:
 
 
 def _requested() -> str:
-    choice = _override[-1] if _override else os.environ.get(BACKEND_ENV, "auto").strip().lower() or "auto"
+    if _override:
+        return _override[-1]
+    choice = os.environ.get(BACKEND_ENV)
+    if choice is None:  # read at every call (a streamed step's few microseconds): the common case first
+        return "auto"
+    choice = choice.strip().lower() or "auto"
     if choice not in BACKENDS:
         raise ValueError(f"{BACKEND_ENV}: expected one of {BACKENDS}, got {choice!r}")
     return choice

@@ -12,6 +12,7 @@ are for inference, as with ``mlx.nn.QuantizedEmbedding`` and torch's dynamic qua
 from __future__ import annotations
 
 import copy
+import operator
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -145,12 +146,19 @@ class QuantizedRecurrent(nn.Module):
         object.__setattr__(float_module, "_quantized_from", self)  # its single steps read the packed weights
         self.freeze()
 
-    def native_step_weights(self, suffixes) -> list | None:
+    def native_step_weights(self, suffixes) -> tuple | None:
         """What seqlib.native's ``quantized_step`` reads for the directions ``suffixes`` (a cell: ``[""]``):
         per direction ``weight_ih``'s packed values, scales and biases, ``weight_hh``'s, then ``bias_ih``
         and ``bias_hh`` (or None); None where it cannot read this quantization (it reads ``"affine"``
         with 4 or 8 bits in groups of a multiple of 16 columns, float32 scales), and a single step
-        dequantizes the matrices as every other call does."""
+        dequantizes the matrices as every other call does.  A tuple, kept until a stored array is replaced."""
+        self._float()  # the stored arrays checked: the lists below are kept until one is replaced
+        key = tuple(suffixes)
+        if key not in self._step_weights:
+            self._step_weights[key] = self._read_step_weights(key)
+        return self._step_weights[key]
+
+    def _read_step_weights(self, suffixes) -> tuple | None:
         if self.quantization_mode != "affine" or self.bits not in (4, 8) or self.group_size % 16:
             return None
         weights = []
@@ -160,7 +168,7 @@ class QuantizedRecurrent(nn.Module):
                     return None
                 weights += [self[name], self[name + "_scales"], self[name + "_biases"]]
             weights += [self.get("bias_ih" + suffix), self.get("bias_hh" + suffix)]
-        return weights
+        return tuple(weights)
 
     def dequantized(self) -> dict:
         """The float parameters the calls compute with: the matrices dequantized, the biases as stored."""
@@ -178,13 +186,14 @@ class QuantizedRecurrent(nn.Module):
         """The float module on the dequantized weights: built once per set of stored arrays (MLX computes the
         dequantization only where a call reads the matrices; a native single step never does), again when
         an array was replaced (``update``, ``load_weights``)."""
-        stored = [value for value in self.values() if isinstance(value, mx.array)]  # its arrays, all at the top
+        stored = list(self.values())  # its arrays, all at the top
         built_from = getattr(self, "_dequantized_from", None)
-        unchanged = built_from is not None and len(built_from) == len(stored) and all(
-            a is b for a, b in zip(built_from, stored, strict=True))  # fmt: skip
+        unchanged = built_from is not None and len(built_from) == len(stored) and all(map(operator.is_, built_from,
+                                                                                          stored))  # fmt: skip
         if not unchanged:
             self._float_module.update(self.dequantized())
             object.__setattr__(self, "_dequantized_from", stored)  # held, so that no id is reused meanwhile
+            object.__setattr__(self, "_step_weights", {})  # native_step_weights' lists, per tuple of suffixes
         return self._float_module
 
     def __call__(self, *args, **kwargs):

@@ -28,7 +28,7 @@ class Recurrence:
 
     def _check_dtype(self, name: str, array: mx.array, weight_name: str) -> None:
         """Raise a TypeError unless ``array`` has the dtype of the weights (torch does not promote either)."""
-        dtype = getattr(self, weight_name).dtype
+        dtype = self[weight_name].dtype  # the parameter itself (getattr would miss first: a Module is a dict)
         if array.dtype != dtype:
             raise TypeError(
                 f"{name}: expected dtype {dtype} (the layer's dtype, that of {weight_name}), got {array.dtype}; "
