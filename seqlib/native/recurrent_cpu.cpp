@@ -2761,13 +2761,13 @@ inline Vec quantized_values(const uint8_t* row, int k) {
 // mx.quantize's group sizes and with the biases' term in vectors 49.
 constexpr int kQuantizedRows = simd::kLanes == 16 ? 8 : 4, kQuantizedChains = simd::kLanes == 16 ? 1 : 2;
 
-// Rows [j, j + ROWS) of x_row (K) @ W^T + the biases' term, W quantized, into totals: each x vector loaded once
-// for the rows; x_sums (groups): x_row summed over each group.  Each group's sum is scaled into `scaled`, then
-// the biases' term added there, a vector of groups at a time, before the one horizontal sum.  GROUP: the group
-// size, known when compiled (or 0: runtime_group).
+// Rows [j, j + ROWS) of x_row (K) @ W^T + the biases' term, W quantized, added to out[0, ROWS): each x vector
+// loaded once for the rows; x_sums (groups): x_row summed over each group.  Each group's sum is scaled into
+// `scaled`, then the biases' term added there, a vector of groups at a time, before the one horizontal sum.
+// GROUP: the group size, known when compiled (or 0: runtime_group).
 template <int BITS, int ROWS, int GROUP>
 inline void quantized_rows(const float* x_row, const float* x_sums, const uint8_t* rows, int row_bytes,
-                           const float* scales, const float* biases, int groups, int runtime_group, float* totals) {
+                           const float* scales, const float* biases, int groups, int runtime_group, float* out) {
   constexpr int kLanes = simd::kLanes, kChains = kQuantizedChains;
   const int group_size = GROUP > 0 ? GROUP : runtime_group;
   const auto values = [&](int r, int k) {
@@ -2805,18 +2805,18 @@ inline void quantized_rows(const float* x_row, const float* x_sums, const uint8_
       scaled[r] = simd::fma(simd::load(biases + static_cast<size_t>(r) * groups + g, lanes), sums, scaled[r]);
     }
   }
-  for (int r = 0; r < ROWS; ++r) totals[r] = horizontal_sum(scaled[r]);
+  for (int r = 0; r < ROWS; ++r) out[r] += horizontal_sum(scaled[r]);
 }
 
-// Rows [first, end) of x_row @ W^T into totals[0, end - first): kQuantizedRows at a time, then 4, then 1.
+// Entries [first, end) of out_row += x_row @ W^T: kQuantizedRows rows at a time, then 4, then 1.
 template <int BITS, int GROUP>
 inline void quantized_row_range(const float* x_row, const float* x_sums, const uint8_t* packed, int row_bytes,
                                 const float* scales, const float* biases, int groups, int group_size, int first,
-                                int end, float* totals) {
+                                int end, float* out_row) {
   const auto rows_at = [&]<int ROWS>(int j) {
     const size_t at = static_cast<size_t>(j) * groups;
     quantized_rows<BITS, ROWS, GROUP>(x_row, x_sums, packed + static_cast<size_t>(j) * row_bytes, row_bytes,
-                                      scales + at, biases + at, groups, group_size, totals + (j - first));
+                                      scales + at, biases + at, groups, group_size, out_row + j);
   };
   int j = first;
   for (; j + kQuantizedRows <= end; j += kQuantizedRows) rows_at.template operator()<kQuantizedRows>(j);
@@ -2833,10 +2833,9 @@ void add_quantized_rows(const float* x_row, const float* x_sums, const Quantized
   const auto* packed = reinterpret_cast<const uint8_t*>(w.packed.data<uint32_t>());
   const float *scales = w.scales.data<float>(), *biases = w.biases.data<float>();
 #if defined(__AVX2__) && defined(__FMA__)
-  std::vector<float> totals(end - first);
   const auto row_range = [&]<int BITS, int GROUP>() {
     quantized_row_range<BITS, GROUP>(x_row, x_sums, packed, row_bytes, scales, biases, groups, w.group_size, first,
-                                     end, totals.data());
+                                     end, out_row);
   };
   const auto with_bits = [&]<int GROUP>() {
     w.bits == 8 ? row_range.template operator()<8, GROUP>() : row_range.template operator()<4, GROUP>();
@@ -2847,7 +2846,6 @@ void add_quantized_rows(const float* x_row, const float* x_sums, const Quantized
     case 128: with_bits.template operator()<128>(); break;
     default: with_bits.template operator()<0>();
   }
-  for (int j = first; j < end; ++j) out_row[j] += totals[j - first];
 #else
   const int per_word = 32 / w.bits;
   for (int j = first; j < end; ++j) {
