@@ -14,11 +14,12 @@
 //   SoftmaxCrossEntropyBackward  d_logits[i, c] = (d_nll[i] + d_lse[i]) softmax[i, c] - d_nll[i] [c == targets[i]]
 //       with softmax[i, c] = exp(logits[i, c] - lse[i]) computed again (lse saved by the forward)
 //
-// exp: Cody and Waite's reduction x = n ln 2 + r, |r| <= ln 2 / 2 (ln 2 in two parts, so n ln2_hi is exact),
-// and Cephes' polynomial for exp(r) (Cephes' expf), scaled by 2^n through the exponent bits: within 8.0e-8 of
-// float64's exp (1.3 ulp), measured over 400,001 points in [-87, -17] through the backward's softmax.  Its arguments here are never positive (x - max, x - lse): no overflow to handle, and below
-// -87.33 (where exp is under float32's smallest normal) it returns 0.  No FMA: the same rounding with any
-// vector width.  NaN and infinities in a row make its lse NaN, as in torch.
+// exp: Cody and Waite's reduction x = n ln 2 + r, |r| <= ln 2 / 2 (ln 2 in two parts, so n ln2_hi is exact), and
+// Cephes' polynomial for exp(r) (Cephes' expf), scaled by 2^n through the exponent bits: within 8.0e-8 of float64's exp
+// (1.3 ulp), measured over 400,001 points in [-87, -17] through the backward's softmax.  Its arguments here are never
+// positive (x - max, x - lse): no overflow to handle, and below -87.33 (where exp is under float32's smallest normal)
+// it returns 0.  No FMA: the same rounding with any vector width.  NaN and infinities in a row make its lse NaN, as in
+// torch.
 //
 // Napkin math: the forward reads N C 4 bytes twice (max, then the sum of exps; a row stays in L1 for
 // C up to a few thousand) and computes N C exps; the backward reads them once more and writes N C 4 bytes.

@@ -1199,8 +1199,8 @@ void lstm_forward_packed(std::vector<mx::array>& ins, std::vector<mx::array>& ou
                        const float*, float* next) {
     // the input sides: the tile's (kInputSide; i at 0, f at kUnits, ...), or x_gates' (i at 0, f at H, ...)
     const float* x = input_acc != nullptr ? input_acc : row_of(ins[0], step.first + r) + unit;
-    lstm_gate_math(units, hidden, x, input_acc != nullptr ? kUnits : hidden, bias != nullptr ? bias + unit : nullptr, acc,
-                   c + static_cast<size_t>(r) * hidden + unit, next + static_cast<size_t>(r) * hidden + unit,
+    lstm_gate_math(units, hidden, x, input_acc != nullptr ? kUnits : hidden, bias != nullptr ? bias + unit : nullptr,
+                   acc, c + static_cast<size_t>(r) * hidden + unit, next + static_cast<size_t>(r) * hidden + unit,
                    row_of(outs[0], step.first + r) + unit, save ? saved + layout.at(step, r, 0, unit) : nullptr);
   };
   packed_steps<4>(loop, batch, hidden, ins[1].data<float>(), ins[0], h.data(), h_next.data(), gate_math, input);
@@ -1648,7 +1648,8 @@ InputGradients input_gradients(const std::vector<mx::array>& ins, std::vector<mx
   return InputGradients{ins[at].data<float>(), ins[at + 1].data<float>(), static_cast<int>(ins[at].shape(1)), &h0,
                         &output, &d_input_side, &d_hidden_side,
                         outs[3].size() > 0 ? outs[3].data<float>() : nullptr, outs[4].data<float>(),
-                        outs[5].data<float>(), outs[6].data<float>(), outs.size() > 7 ? outs[7].data<float>() : nullptr};
+                        outs[5].data<float>(), outs[6].data<float>(),
+                        outs.size() > 7 ? outs[7].data<float>() : nullptr};
 }
 
 // Rows [r0, r1) of an (N, width) array from packed row `first_row`, its columns [first, end), asked for.
@@ -1804,8 +1805,8 @@ bool fuses_input_gradients(int gates, int hidden, int depth) {
 
 // ins: x_gates (N, 4H), w_hh (4H, H), h0, c0 (B, H) [, bias (4H,) added to every row of x_gates]
 //   or with kInputSide: x (N, D), w_hh, h0, c0, w_ih (4H, D) [, bias]
-// outs: output (N, H), h_n, c_n (B, H) [, saved (N, SavedBlocks(H, kLstmSlots).row_floats()): each step's activations and
-//   new c, what the backward reads]
+// outs: output (N, H), h_n, c_n (B, H) [, saved (N, SavedBlocks(H, kLstmSlots).row_floats()): each step's
+//   activations and new c, what the backward reads]
 void lstm_forward(std::vector<mx::array>& ins, std::vector<mx::array>& outs, const Loop& loop) {
 #if defined(__AVX2__) && defined(__FMA__)
   if ((loop.option & kInputSide) || runs_packed(loop)) {
@@ -1835,7 +1836,8 @@ void lstm_forward(std::vector<mx::array>& ins, std::vector<mx::array>& outs, con
   }
 }
 
-// ins: w_hh (4H, H), saved (N, SavedBlocks(H, kLstmSlots).row_floats()), c0 (B, H), d_output (N, H), d_h_n, d_c_n (B, H)
+// ins: w_hh (4H, H), saved (N, SavedBlocks(H, kLstmSlots).row_floats()), c0 (B, H), d_output (N, H),
+//   d_h_n, d_c_n (B, H)
 // outs: d_x_gates (N, 4H), d_h0, d_c0 (B, H) [, with kSumBias d_bias (4H,): d_x_gates' rows summed]
 //   with kInputSide also ins x (N, D), w_ih (4H, D), output (N, H), h0 (B, H) and outs d_x (N, D, or 0 rows),
 //   d_w_ih (4H, D), d_w_hh (4H, H), d_bias (4H,); d_x_gates then has 0 rows (the loop keeps a step's: GateRows)
@@ -1973,7 +1975,8 @@ std::string shape_text(const mx::Shape& shape) {
 void check_array(const char* op, const char* name, const mx::array& array, const mx::Shape& shape) {
   if (array.dtype() != mx::float32 || array.shape() != shape) {
     throw std::invalid_argument(std::string(op) + ": expected " + name + " float32 of shape " + shape_text(shape) +
-                                ", got " + shape_text(array.shape()) + (array.dtype() == mx::float32 ? "" : " not float32"));
+                                ", got " + shape_text(array.shape()) +
+                                (array.dtype() == mx::float32 ? "" : " not float32"));
   }
 }
 
@@ -2206,15 +2209,15 @@ std::pair<int, int> lstm_state_shape(const char* op, const mx::array& w_hh, cons
   return {b, h};
 }
 
-// The shapes of an LSTM forward's outputs: output (N, H), h_n, c_n (B, H) [, saved (N, SavedBlocks(H, kLstmSlots).row_floats()):
-// what its backward reads, where saved].  It saves 5H floats a row (to whole blocks): the activations and each
-// step's c, whose tanh the backward computes again; not tanh(c) and the c before the step (the backward reads the
-// earlier step's c), nor the h before each step (the weight gradient reads the output rows of the earlier step:
-// previous_states_product).  Forward+backward of one layer on 2 cores (Sapphire Rapids, three alternated
-// processes, medians of 15 back to back / of 7 after idle), 7H floats a row (tanh(c), the c and the h before the
-// step) -> 6H (c) -> 5H: (T, B, D, H) = (32, 64, 32, 128) 9.9-10.3 / 11.1-11.5 -> 9.4-10.0 / 11.0-11.3 -> 8.8-9.1 /
-// 10.5-10.6 ms; (200, 64, 128, 128) 81-83 / 82-83 -> 78-81 / 79-81 -> 76-78 / 76-79; (100, 32, 256, 512) 162-165 /
-// 163-169 -> 156-162 / 159-165 -> 155-160 / 156-162.
+// The shapes of an LSTM forward's outputs: output (N, H), h_n, c_n (B, H) [, saved (N, SavedBlocks(H,
+// kLstmSlots).row_floats()): what its backward reads, where saved].  It saves 5H floats a row (to whole blocks): the
+// activations and each step's c, whose tanh the backward computes again; not tanh(c) and the c before the step (the
+// backward reads the earlier step's c), nor the h before each step (the weight gradient reads the output rows of the
+// earlier step: previous_states_product).  Forward+backward of one layer on 2 cores (Sapphire Rapids, three alternated
+// processes, medians of 15 back to back / of 7 after idle), 7H floats a row (tanh(c), the c and the h before the step)
+// -> 6H (c) -> 5H: (T, B, D, H) = (32, 64, 32, 128) 9.9-10.3 / 11.1-11.5 -> 9.4-10.0 / 11.0-11.3 -> 8.8-9.1 / 10.5-10.6
+// ms; (200, 64, 128, 128) 81-83 / 82-83 -> 78-81 / 79-81 -> 76-78 / 76-79; (100, 32, 256, 512) 162-165 / 163-169 ->
+// 156-162 / 159-165 -> 155-160 / 156-162.
 std::vector<mx::Shape> lstm_output_shapes(int n, int b, int h, bool save) {
   std::vector<mx::Shape> shapes = {{n, h}, {b, h}, {b, h}};
   if (save) shapes.push_back({n, SavedBlocks(h, kLstmSlots).row_floats()});

@@ -328,7 +328,9 @@ inline bool same_simd_site(Launch& launch, int first, int last) {
 // thread would read back only its own writes, which a GPU allows), then starts the next phase.
 inline bool barrier_orders_threadgroup_writes(Launch& launch) {
   bool orders = true;
-  for (int t = 0; t < launch.count; ++t) orders &= (launch.fibers[t].barrier_flags & int(metal::mem_flags::mem_threadgroup)) != 0;
+  for (int t = 0; t < launch.count; ++t) {
+    orders &= (launch.fibers[t].barrier_flags & int(metal::mem_flags::mem_threadgroup)) != 0;
+  }
   bool wrote = false;
   for (int d = 0; d < kMaxDeclarations; ++d) {
     if (launch.memory_block[d] == nullptr) continue;
