@@ -324,17 +324,12 @@ class Workers {
         for (unsigned taken = 0;; ++taken) {
           const int64_t blas_calls = threaded_blas_calls();
           const auto watch_end = std::chrono::steady_clock::now() + kWatchTime;
-          bool watched = true;  // whether the job came during the watch, not while the worker slept
           watching_.fetch_add(1, std::memory_order_relaxed);
-          for (int spins = 1; sleeper->posted.load(std::memory_order_relaxed) == taken; ++spins) {
-            if (spins % kCheckEvery == 0 &&  // the watch is over, or a threaded product needs this core
-                (std::chrono::steady_clock::now() > watch_end || threaded_blas_calls() != blas_calls)) {
-              watched = sleeper->posted.load(std::memory_order_relaxed) != taken;
-              break;
-            }
-            if (spins % kCheckEvery == 0) sched_yield();  // a thread of the process woken onto this CPU runs now
-            spin_pause();
-          }
+          const bool watched = watch(  // whether the job came during the watch, not while the worker slept
+              [&] { return sleeper->posted.load(std::memory_order_relaxed) != taken; },
+              [&] {  // the watch is over, or a threaded product needs this core
+                return std::chrono::steady_clock::now() > watch_end || threaded_blas_calls() != blas_calls;
+              });
           watching_.fetch_sub(1, std::memory_order_relaxed);
           sleeper->wake.acquire();  // at once where the job was posted
           if (!watched) leave_caller_cpu(part);
@@ -356,11 +351,8 @@ class Workers {
       sleeper.wake.release();  // publishes job_ to the worker
     }
     job.call(job.body, 0);
-    for (int spins = 1; running_.load(std::memory_order_acquire) != 0; ++spins) {  // see "The caller waits" above
-      if (spins % kCheckEvery == 0 && std::chrono::steady_clock::now() > wait_end) break;
-      if (spins % kCheckEvery == 0) sched_yield();
-      spin_pause();
-    }
+    watch([&] { return running_.load(std::memory_order_acquire) == 0; },  // see "The caller waits" above
+          [&] { return std::chrono::steady_clock::now() > wait_end; });
     done_.acquire();  // released by the last worker to finish: all their writes are visible here
     return true;
   }
@@ -377,6 +369,20 @@ class Workers {
   }
 
  private:
+  // Spins (pausing) until done(), true; every kCheckEvery pauses asks give_up() and, where it says to, returns
+  // done() then; else yields the CPU (sched_yield), to a thread of the process that the kernel woke onto it.
+  template <class Done, class GiveUp>
+  static bool watch(Done done, GiveUp give_up) {
+    for (int spins = 1; !done(); ++spins) {
+      if (spins % kCheckEvery == 0) {
+        if (give_up()) return done();
+        sched_yield();
+      }
+      spin_pause();
+    }
+    return true;
+  }
+
   static std::atomic<Workers*>& current() {
     static std::atomic<Workers*> workers{nullptr};
     return workers;

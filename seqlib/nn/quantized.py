@@ -152,7 +152,7 @@ class QuantizedRecurrent(nn.Module):
         and ``bias_hh`` (or None); None where it cannot read this quantization (it reads ``"affine"``
         with 4 or 8 bits in groups of a multiple of 16 columns, float32 scales), and a single step
         dequantizes the matrices as every other call does.  A tuple, kept until a stored array is replaced."""
-        self._float()  # the stored arrays checked: the lists below are kept until one is replaced
+        self._float()  # the stored arrays checked: the tuples below are kept until one is replaced
         key = tuple(suffixes)
         if key not in self._step_weights:
             self._step_weights[key] = self._read_step_weights(key)
@@ -193,7 +193,7 @@ class QuantizedRecurrent(nn.Module):
         if not unchanged:
             self._float_module.update(self.dequantized())
             object.__setattr__(self, "_dequantized_from", stored)  # held, so that no id is reused meanwhile
-            object.__setattr__(self, "_step_weights", {})  # native_step_weights' lists, per tuple of suffixes
+            object.__setattr__(self, "_step_weights", {})  # native_step_weights' tuples, per tuple of suffixes
         return self._float_module
 
     def __call__(self, *args, **kwargs):
