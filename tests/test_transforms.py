@@ -300,6 +300,35 @@ def test_bag_bindings_refuse_indices_outside_the_table_when_evaluated():
         mx.eval(pooled)
 
 
+@needs_extension
+@pytest.mark.parametrize("unique, positions", [([0, 9], [0, 1]), ([0, 2], [0, 2]), ([0, 2], [-1, 0])],
+                         ids=["row outside the table", "position past unique", "negative position"])
+def test_lookups_of_sparse_rows_refuse_positions_and_rows_outside_when_evaluated(unique, positions):
+    # seqlib.sparse's rows: lookups of sparse_rows read the table at unique[positions], checked chunk by chunk
+    extension = native.module()
+    table = mx.arange(12, dtype=mx.float32).reshape(4, 3)
+    rows = extension.sparse_rows(table, mx.array(unique, mx.int32), mx.zeros((2, 3)))
+    positions = mx.array(positions, mx.int32)
+    message = r"indices: every position must lie in \[0, 2\) and every row of unique in \[0, 4\)"
+    with pytest.raises(RuntimeError, match=message):
+        mx.eval(extension.bag_pool(rows, positions, mx.array([0, 1, 2], mx.int32), None, 1, -1))
+    with pytest.raises(RuntimeError, match=message):
+        mx.eval(extension.take_rows(rows, positions))
+
+
+@needs_extension
+def test_lookups_of_sparse_rows_read_the_table_at_unique_positions():
+    extension = native.module()
+    table = mx.random.normal((50, 4), key=mx.random.key(3))
+    unique, positions = mx.array([3, 7, 41], mx.int32), mx.array([2, 0, 0, 1, 2, 2, 1], mx.int32)
+    rows = extension.sparse_rows(table, unique, mx.zeros((3, 4)))
+    want = np.array(table)[np.array(unique)[np.array(positions)]]
+    assert np.array_equal(np.array(extension.take_rows(rows, positions)), want)
+    bounds = mx.array([0, 3, 3, 7], mx.int32)  # bags of 3, 0 and 4 entries
+    pooled = np.array(extension.bag_pool(rows, positions, bounds, None, 0, -1))
+    assert np.array_equal(pooled, np.stack([want[:3].sum(0), np.zeros(4, np.float32), want[3:].sum(0)]))
+
+
 def test_loading_a_cells_keys_into_a_layer_suggests_the_l0_names():
     cell_weights = seqlib.nn.LSTMCell(D, H).torch_state_dict()
     with pytest.raises(ValueError, match=r"rename 'bias_hh' -> 'bias_hh_l0'.*or load the cell's weights into a cell"):

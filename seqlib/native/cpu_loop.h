@@ -13,6 +13,7 @@
 #include <pthread.h>
 #include <sched.h>
 #include <sys/mman.h>
+#include <sys/syscall.h>
 #include <unistd.h>
 
 #if defined(__AVX512F__) || defined(__AVX__)
@@ -262,15 +263,18 @@ inline int64_t threaded_blas_calls() {
 // (200, 64, 128, 128) 27.5-97.7 / 23.4-26.6, GRU at (100, 32, 256, 512) 46.2-53.1 / 34.6-40.1; forwards
 // alike; but 50 streamed LSTMCell steps at H = 512, 4.0-5.2 / 4.9-7.0 ms.
 //
-// A worker woken from its sleep onto the caller's CPU moves off it (leave_caller_cpu).  After the process was
-// idle (as the benchmark harness times each call), the kernel often woke the worker there on a 2-core virtual
-// machine (the other CPU still running the Python thread that was about to wait), and the team of two then
-// took turns on one CPU at every step: a call of the one-sequence LSTM below had about 60 involuntary
-// context switches, 1 with the move.  Timed after the harness's settle, 2-core Sapphire Rapids, (T, B, D, H)
-// = (50, 1, 64, 256) forward, three alternated processes: LSTM 3.2-3.3 -> 1.26-1.42 ms, GRU 3.0-3.2 ->
-// 1.07-1.20 (0.5-0.6 ms called back to back; torch 1.2-1.8); batch shapes unchanged.  A worker that catches
-// its job during the watch stays where it is: moving it then too made 50 streamed GRU steps at H = 512 slower
-// in two runs of three (236-316 us a step against 158-171).
+// A worker is kept off its caller's CPU (keep_off).  After the process was idle (as the benchmark harness times each
+// call), the kernel often woke the worker onto the caller's CPU on a 2-core virtual machine, though the other CPU
+// was idle, and the team of two then took turns on one CPU.  A call of the one-sequence LSTM below had about 60
+// involuntary context switches; timed after the harness's settle, 2-core Sapphire Rapids, (T, B, D, H) = (50, 1,
+// 64, 256) forward, LSTM 3.2-3.3 ms, GRU 3.0-3.2 (0.5-0.6 called back to back).  The worker then moved itself off
+// once it ran (1.26-1.42 and 1.07-1.20 ms), but on a 2-core Zen 5 virtual machine the woken worker often did not run
+// until the caller's own part had ended: a sparse EmbeddingBag step (seqlib.sparse, 1M x 128 table, 84,570
+// entries) ran its 1.4 ms forward on the caller alone in 35-42 of 80 steps.  So before it posts a job to a sleeping
+// worker, the caller narrows the worker's CPUs to all but its own, and the worker restores them as it takes the
+// job: 0-1 steps of 80 had a worker start late, and evaluating the step took 3.89-4.02 ms at the median against
+// 4.19-4.50.  The same holds a watching worker that the kernel moved onto the caller's CPU (the caller is MLX's
+// stream thread, which MLX's own wake-ups move): narrowing the CPUs of a thread that waits to run moves it at once.
 //
 // A watching worker yields its CPU (sched_yield) every kCheckEvery pauses, to a thread of the process that the kernel
 // woke onto it: on a 2-core Zen 5 virtual machine the Python thread, between streamed steps, often landed on the
@@ -279,13 +283,15 @@ inline int64_t threaded_blas_calls() {
 // LSTMCell 102-471 / 140-143, its 8-bit form 101-459 / 113-115, GRUCell 106-396 / 108-113; layers' forward and
 // forward+backward at the shapes, interleaved builds, 0.96-1.07 (noise).
 //
-// The caller waits for the workers' parts by watching their count for at most kWatchTime (yielding as the
-// workers do), then on the semaphore.  A caller that slept there was woken by the last worker, and the kernel
-// places a woken thread on its waker's CPU: the Python thread moved onto the worker's CPU, where the worker
-// then watched, and the two took turns on one CPU at every later step (two involuntary context switches a
-// step) while the other idled.  Streams of 50 steps at H = 512, each after the harness's settle, 2-core Zen 5
-// virtual machine, 16 interleaved streams, us a step: LSTMCell 133-135 -> 83, its 8-bit form 81-91 -> 61-66;
-// after the first two streams every stream of the old wait had the two threads on one CPU.
+// The caller waits for the workers' parts by watching their count for at most kWatchTime after its own part
+// (yielding as the workers do), then on the semaphore.  A caller that slept there was woken by the last worker, and
+// the kernel places a woken thread on its waker's CPU: the Python thread moved onto the worker's CPU, where the worker
+// then watched, and the two took turns on one CPU at every later step (two involuntary context switches a step)
+// while the other idled.  Streams of 50 steps at H = 512, each after the harness's settle, 2-core Zen 5 virtual
+// machine, 16 interleaved streams, us a step: LSTMCell 133-135 -> 83, its 8-bit form 81-91 -> 61-66.  The watch
+// once counted from the post, so a part longer than kWatchTime (the sparse step's 1.4 ms forward) left none: the
+// caller slept whenever a worker finished after it, and woke on that worker's CPU for the step's backward.  A caller
+// that did sleep now moves back to the CPU it posted from (return_to).
 class Workers {
  public:
   // A type-erased body(part).
@@ -321,6 +327,7 @@ class Workers {
     while (static_cast<int>(sleepers_.size()) < parts - 1) {
       auto sleeper = std::make_unique<Sleeper>();
       std::thread([this, sleeper = sleeper.get(), part = static_cast<int>(sleepers_.size()) + 1] {
+        sleeper->tid.store(static_cast<pid_t>(syscall(SYS_gettid)), std::memory_order_relaxed);
         for (unsigned taken = 0;; ++taken) {
           const int64_t blas_calls = threaded_blas_calls();
           const auto watch_end = std::chrono::steady_clock::now() + kWatchTime;
@@ -328,11 +335,17 @@ class Workers {
           const bool watched = watch(  // whether the job came during the watch, not while the worker slept
               [&] { return sleeper->posted.load(std::memory_order_relaxed) != taken; },
               [&] {  // the watch is over, or a threaded product needs this core
+                sleeper->cpu.store(sched_getcpu(), std::memory_order_relaxed);
                 return std::chrono::steady_clock::now() > watch_end || threaded_blas_calls() != blas_calls;
               });
           watching_.fetch_sub(1, std::memory_order_relaxed);
+          if (!watched) sleeper->cpu.store(-1, std::memory_order_relaxed);
           sleeper->wake.acquire();  // at once where the job was posted
-          if (!watched) leave_caller_cpu(part);
+          if (sleeper->kept_off) {  // the caller narrowed this thread's CPUs (keep_off): restore them
+            sleeper->kept_off = false;
+            sched_setaffinity(0, sizeof(sleeper->allowed), &sleeper->allowed);
+          }
+          sleeper->cpu.store(sched_getcpu(), std::memory_order_relaxed);
           fesetenv(&environment_);
           job_.call(job_.body, part);
           if (running_.fetch_sub(1, std::memory_order_acq_rel) == 1) done_.release();
@@ -341,19 +354,22 @@ class Workers {
       sleepers_.push_back(std::move(sleeper));
     }
     job_ = job;
-    const auto wait_end = std::chrono::steady_clock::now() + kWatchTime;
-    caller_cpu_.store(sched_getcpu(), std::memory_order_relaxed);
+    const int cpu = sched_getcpu();
     fegetenv(&environment_);
     running_.store(parts - 1, std::memory_order_relaxed);
     for (int part = 1; part < parts; ++part) {
       Sleeper& sleeper = *sleepers_[part - 1];
+      const int at = sleeper.cpu.load(std::memory_order_relaxed);
+      if (at < 0 || at == cpu) keep_off(sleeper, cpu);  // asleep, or on this thread's CPU
       sleeper.posted.fetch_add(1, std::memory_order_relaxed);
       sleeper.wake.release();  // publishes job_ to the worker
     }
     job.call(job.body, 0);
-    watch([&] { return running_.load(std::memory_order_acquire) == 0; },  // see "The caller waits" above
-          [&] { return std::chrono::steady_clock::now() > wait_end; });
+    const auto wait_end = std::chrono::steady_clock::now() + kWatchTime;  // see "The caller waits" above
+    const bool watched = watch([&] { return running_.load(std::memory_order_acquire) == 0; },
+                               [&] { return std::chrono::steady_clock::now() > wait_end; });
     done_.acquire();  // released by the last worker to finish: all their writes are visible here
+    if (!watched) return_to(cpu);
     return true;
   }
 
@@ -369,6 +385,8 @@ class Workers {
   }
 
  private:
+  struct Sleeper;
+
   // Spins (pausing) until done(), true; every kCheckEvery pauses asks give_up() and, where it says to, returns
   // done() then; else yields the CPU (sched_yield), to a thread of the process that the kernel woke onto it.
   template <class Done, class GiveUp>
@@ -388,24 +406,29 @@ class Workers {
     return workers;
   }
 
-  // A worker woken onto the CPU its caller runs on moves to another CPU it may run on, the part-th after the
-  // caller's: its affinity narrowed to that CPU (the kernel moves it at once), then restored (it stays there
-  // until the scheduler's own balancing moves it).
-  void leave_caller_cpu(int part) {
-    const int caller = caller_cpu_.load(std::memory_order_relaxed);
-    if (caller < 0 || caller >= CPU_SETSIZE || sched_getcpu() != caller) return;
-    cpu_set_t allowed, one;
-    if (sched_getaffinity(0, sizeof(allowed), &allowed) != 0) return;
-    for (int cpu = (caller + 1) % CPU_SETSIZE, found = 0; cpu != caller; cpu = (cpu + 1) % CPU_SETSIZE) {
-      if (!CPU_ISSET(cpu, &allowed) || ++found < part) continue;
-      CPU_ZERO(&one);
-      CPU_SET(cpu, &one);
-      if (sched_setaffinity(0, sizeof(one), &one) == 0) sched_setaffinity(0, sizeof(allowed), &allowed);
-      return;
-    }
+  // Narrows a worker's CPUs to those it may run on but `cpu` (the caller's), so that the kernel wakes it, or moves it,
+  // elsewhere; the worker restores them as it takes its job.  Nothing where it may run on `cpu` alone.
+  static void keep_off(Sleeper& sleeper, int cpu) {
+    const pid_t tid = sleeper.tid.load(std::memory_order_relaxed);
+    if (tid == 0 || cpu < 0 || cpu >= CPU_SETSIZE) return;
+    if (sched_getaffinity(tid, sizeof(sleeper.allowed), &sleeper.allowed) != 0) return;
+    if (!CPU_ISSET(cpu, &sleeper.allowed) || CPU_COUNT(&sleeper.allowed) < 2) return;
+    cpu_set_t others = sleeper.allowed;
+    CPU_CLR(cpu, &others);
+    sleeper.kept_off = sched_setaffinity(tid, sizeof(others), &others) == 0;  // the post publishes it
   }
 
-  std::atomic<int> caller_cpu_{-1};  // the CPU the last job was posted from
+  // A caller woken from its wait onto another CPU (its waker's) moves back to `cpu`, the one it posted from and left
+  // idle: its affinity narrowed to that CPU (the kernel moves it at once), then restored.
+  static void return_to(int cpu) {
+    if (cpu < 0 || cpu >= CPU_SETSIZE || sched_getcpu() == cpu) return;
+    cpu_set_t allowed, one;
+    if (sched_getaffinity(0, sizeof(allowed), &allowed) != 0 || !CPU_ISSET(cpu, &allowed)) return;
+    CPU_ZERO(&one);
+    CPU_SET(cpu, &one);
+    if (sched_setaffinity(0, sizeof(one), &one) == 0) sched_setaffinity(0, sizeof(allowed), &allowed);
+  }
+
   std::atomic<int> watching_{0};  // workers now in their watch
   std::atomic<int64_t> last_asked_{std::numeric_limits<int64_t>::min() / 2};  // when ready() was (steady clock)
   static constexpr std::chrono::microseconds kWatchTime{1000};
@@ -415,6 +438,10 @@ class Workers {
   struct alignas(64) Sleeper {
     std::binary_semaphore wake{0};
     std::atomic<unsigned> posted{0};
+    std::atomic<int> cpu{-1};  // the CPU the worker last ran on; -1 while it sleeps
+    std::atomic<pid_t> tid{0};  // the worker's thread id, once it runs
+    cpu_set_t allowed;  // the worker's CPUs before keep_off narrowed them
+    bool kept_off = false;  // set by the caller before a post, cleared by the worker after it
   };
   std::vector<std::unique_ptr<Sleeper>> sleepers_;  // worker i runs part i + 1
   Job job_{};
