@@ -380,6 +380,11 @@ struct EntriesByRange {
   std::vector<float> size;
 };
 
+// The grouping's work for parallel_for, per entry: a counter bumped and two ints stored at random cost about what 16
+// floats streamed do.  Counted as one float (one thread below 131,072 entries), the two passes took 0.22 ms of a 1.6
+// ms backward (84,570 entries into 81,025 rows of 128, 2-core Zen 5); on two threads the backward took 0.09 ms less.
+constexpr int64_t kGroupingWork = 16;
+
 EntriesByRange group_entries(const int32_t* indices, const int32_t* bounds, int64_t bags, int32_t padding_idx,
                              const RowRanges& ranges) {
   const int64_t entries = bounds[bags];
@@ -388,7 +393,7 @@ EntriesByRange group_entries(const int32_t* indices, const int32_t* bounds, int6
   EntriesByRange grouped{std::vector<int32_t>(entries), std::vector<int32_t>(entries),
                          std::vector<int64_t>(ranges.count + 1), std::vector<float>(bags)};
   std::vector<int64_t> at(chunks * ranges.count);  // chunk c's count in range r at [c * R + r], then its cursor
-  parallel_for(chunks, entries, [&](int64_t first_chunk, int64_t end_chunk) {
+  parallel_for(chunks, kGroupingWork * entries, [&](int64_t first_chunk, int64_t end_chunk) {
     for (int64_t c = first_chunk; c < end_chunk; ++c) {
       int64_t* count = at.data() + c * ranges.count;
       for (int64_t b = bags_of(c).first; b < bags_of(c).second; ++b) {
@@ -408,7 +413,7 @@ EntriesByRange group_entries(const int32_t* indices, const int32_t* bounds, int6
     for (int64_t c = 0; c < chunks; ++c) total += std::exchange(at[c * ranges.count + r], total);
   }
   grouped.start[ranges.count] = total;
-  parallel_for(chunks, entries, [&](int64_t first_chunk, int64_t end_chunk) {
+  parallel_for(chunks, kGroupingWork * entries, [&](int64_t first_chunk, int64_t end_chunk) {
     for (int64_t c = first_chunk; c < end_chunk; ++c) {
       int64_t* cursor = at.data() + c * ranges.count;
       for (int64_t b = bags_of(c).first; b < bags_of(c).second; ++b) {
