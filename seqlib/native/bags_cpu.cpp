@@ -30,7 +30,7 @@
 // not depend on the thread count or on which thread took what.  Sum and mean first group the
 // entries by range (a counting sort), so each range reads only its own entries.  Indices and
 // bounds are checked once more before any row is read (check_layout; positions of sparse rows
-// chunk by chunk, renumber).
+// chunk by chunk, ChunkRows).
 //
 // Napkin math: the forward reads N D 4 bytes of rows at random and writes B D 4; the backward
 // zeroes V D 4 bytes, then reads B D 4 and adds N D 4 at random within each range.
@@ -234,23 +234,43 @@ struct RowsAt {
   int64_t table_rows;  // V
 };
 
-// rows[i] = at.unique[positions[i]] for entries [begin, end); false (the rest left unwritten) where a position
-// lies outside [0, U) or its row outside [0, V).
-bool renumber(const RowsAt& at, const int32_t* positions, int64_t begin, int64_t end, int32_t* rows) {
-  for (int64_t i = begin; i < end; ++i) {
-    const int32_t position = positions[i];
-    if (position < 0 || position >= at.count) return false;
-    const int32_t row = at.unique[position];
-    if (row < 0 || row >= at.table_rows) return false;
-    rows[i] = row;
-  }
-  return true;
-}
-
 [[noreturn]] void throw_outside(const RowsAt& at) {
   throw std::out_of_range("indices: every position must lie in [0, " + std::to_string(at.count) +
                           ") and every row of unique in [0, " + std::to_string(at.table_rows) + ")");
 }
+
+// The table rows that a parallel loop's chunks of entries read: `indices` themselves, or with `at` the chunk's
+// positions renumbered into table rows, each checked before any row is read.  A chunk with a position or a row
+// outside gets nullptr (it reads nothing), and throw_if_outside, after the loop, throws.
+class ChunkRows {
+ public:
+  ChunkRows(const RowsAt* at, const int32_t* indices, int64_t entries)
+      : at_(at), indices_(indices), renumbered_(at != nullptr ? new int32_t[entries] : nullptr) {}
+
+  const int32_t* of(int64_t begin, int64_t end) {  // entries [begin, end)
+    if (at_ == nullptr) return indices_;
+    for (int64_t i = begin; i < end; ++i) {
+      const int32_t position = indices_[i];
+      if (position < 0 || position >= at_->count || at_->unique[position] < 0 ||
+          at_->unique[position] >= at_->table_rows) {
+        outside_.store(true, std::memory_order_relaxed);
+        return nullptr;
+      }
+      renumbered_[i] = at_->unique[position];
+    }
+    return renumbered_.get();
+  }
+
+  void throw_if_outside() const {
+    if (outside_.load()) throw_outside(*at_);
+  }
+
+ private:
+  const RowsAt* at_;
+  const int32_t* indices_;
+  std::unique_ptr<int32_t[]> renumbered_;
+  std::atomic<bool> outside_{false};
+};
 
 // Bags of `indices` (rows of table, dim columns; with `at`, positions of at->unique's rows) into pooled (B, D), on
 // every core.
@@ -259,20 +279,12 @@ void pool_bags(const float* table, int64_t dim, const int32_t* indices, const in
                const RowsAt* at = nullptr) {
   auto range = bag.mode == kMax ? pool_bag_range<kMax> : (bag.mode == kMean ? pool_bag_range<kMean>
                                                                             : pool_bag_range<kSum>);
-  std::unique_ptr<int32_t[]> renumbered(at != nullptr ? new int32_t[bounds[bags]] : nullptr);
-  std::atomic<bool> outside{false};
+  ChunkRows chunk_rows(at, indices, bounds[bags]);
   parallel_for(bags, bounds[bags] * dim, [&](int64_t first_bag, int64_t end_bag) {
-    const int32_t* read = indices;
-    if (at != nullptr) {
-      if (!renumber(*at, indices, bounds[first_bag], bounds[end_bag], renumbered.get())) {
-        outside.store(true, std::memory_order_relaxed);
-        return;
-      }
-      read = renumbered.get();
-    }
-    range(table, dim, read, bounds, entry_weights, bag.padding_idx, pooled, first_bag, end_bag);
+    const int32_t* read = chunk_rows.of(bounds[first_bag], bounds[end_bag]);
+    if (read != nullptr) range(table, dim, read, bounds, entry_weights, bag.padding_idx, pooled, first_bag, end_bag);
   });
-  if (outside.load()) throw_outside(*at);
+  chunk_rows.throw_if_outside();
 }
 
 // ins: weight (V, D), indices (N,), bounds (B + 1,) [, entry_weights (N,)]; outs: pooled (B, D)
@@ -288,17 +300,10 @@ void pool_forward(std::vector<mx::array>& ins, std::vector<mx::array>& outs, con
 void gather_rows(const float* table, int64_t dim, const int32_t* indices, int64_t count, float* rows,
                  const RowsAt* at = nullptr) {
   const bool streams = seqlib_cpu::streams_output(int64_t{4} * count * dim);
-  std::unique_ptr<int32_t[]> renumbered(at != nullptr ? new int32_t[count] : nullptr);
-  std::atomic<bool> outside{false};
+  ChunkRows chunk_rows(at, indices, count);
   parallel_for(count, count * dim, [&](int64_t first, int64_t end) {
-    const int32_t* read = indices;
-    if (at != nullptr) {
-      if (!renumber(*at, indices, first, end, renumbered.get())) {
-        outside.store(true, std::memory_order_relaxed);
-        return;
-      }
-      read = renumbered.get();
-    }
+    const int32_t* read = chunk_rows.of(first, end);
+    if (read == nullptr) return;
     for (int64_t i = first; i < end; ++i) {
       if (i + kAhead < end) prefetch(table + read[i + kAhead] * dim, dim);
       if (streams) {
@@ -309,7 +314,7 @@ void gather_rows(const float* table, int64_t dim, const int32_t* indices, int64_
     }
     if (streams) seqlib_cpu::stream_fence();
   });
-  if (outside.load()) throw_outside(*at);
+  chunk_rows.throw_if_outside();
 }
 
 // ins: table (V, D), indices (N,) [, unread inputs]; outs: rows (N, D)
