@@ -55,6 +55,12 @@ def build(source_dir: Path, output: Path) -> None:
 
 
 def load(path: str):
+    """The variant module built at ``path``.  The BLAS shim is loaded first, as seqlib.native loads it before its
+    own build: a variant loaded without it would bind ``cblas_sgemm`` to MLX's reference BLAS (through libmlx.so),
+    and its per-step products (the Elman RNN's) would run several times slower than the base's."""
+    from seqlib import _blas
+
+    _blas.load_shim()
     loader = importlib.machinery.ExtensionFileLoader(VARIANT_MODULE, path)
     spec = importlib.util.spec_from_file_location(VARIANT_MODULE, path, loader=loader)
     module = importlib.util.module_from_spec(spec)
