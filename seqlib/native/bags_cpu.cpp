@@ -72,7 +72,9 @@ struct Bag {
 // The loops below trust indices and bounds: the Python callers check them first (on the host, or
 // in seqlib's CheckedIndices/CheckedBounds primitives).  This is the last line for a direct call
 // of the bindings: one pass over the layout before any row is read, throwing where it would read or
-// write out of bounds.  It costs O(N + B) against the loops' O(N D).
+// write out of bounds (check_layout).  It costs O(N + B) against the loops' O(N D).  The lookups of
+// sparse rows check only their bounds first (check_bounds): their positions are checked chunk by
+// chunk as the loop reads them (ChunkRows).
 void check_bounds(const mx::array& bounds, int64_t entries) {
   const int32_t* bound = bounds.data<int32_t>();
   for (size_t b = 0; b < bounds.size(); ++b) {
