@@ -105,7 +105,8 @@ PACKAGE_DIR = Path(__file__).resolve().parent
 SHIM_SOURCE = PACKAGE_DIR / "_blas_shim.c"
 NATIVE_DIR = PACKAGE_DIR / "native"
 NATIVE_SOURCES = tuple(NATIVE_DIR / name for name in ("module.cpp", "recurrent_cpu.cpp", "bags_cpu.cpp",
-                                                     "checks_cpu.cpp", "rows_cpu.cpp", "losses_cpu.cpp"))  # fmt: skip
+                                                     "checks_cpu.cpp", "rows_cpu.cpp", "losses_cpu.cpp",
+                                                     "optim_cpu.cpp"))  # fmt: skip
 NATIVE_HEADER = NATIVE_DIR / "cpu_loop.h"
 NATIVE_MODULE = "_seqlib_cpu"  # the extension module's name (NB_MODULE in module.cpp)
 SHIM_NAME = "_blas_shim.so"  # the prebuilt shim, beside _blas_shim.c

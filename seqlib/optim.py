@@ -1,8 +1,9 @@
-"""Optimizers that accept :class:`~seqlib.sparse.SparseGradient`, with torch's update rules.
+"""Optimizers with torch's update rules: ``SGD``, ``Adagrad`` and ``SparseAdam`` also accept
+:class:`~seqlib.sparse.SparseGradient`; ``Adam`` is torch's dense Adam, one C++ pass per parameter on the CPU.
 
 They are ``mlx.optimizers.Optimizer`` subclasses, used the usual way
-(``optimizer.update(model, grads)``).  A dense gradient updates the whole
-parameter; a :class:`SparseGradient` touches only its rows, exactly as torch's
+(``optimizer.update(model, grads)``, also inside ``mx.compile`` of a training step).  A dense gradient
+updates the whole parameter; a :class:`SparseGradient` touches only its rows, exactly as torch's
 ``SGD``, ``Adagrad`` and ``SparseAdam`` treat a sparse ``grad`` (repeated rows
 are summed first, as torch coalesces).  Optimizer state stays dense (as in
 torch), so memory is the table plus its moments, but no per-step ``(V, D)``
@@ -26,9 +27,11 @@ import mlx.nn as nn
 import mlx.optimizers as optim
 import numpy as np
 
+from seqlib import native
+from seqlib.dispatch import path_for
 from seqlib.sparse import SparseGradient
 
-__all__ = ["SGD", "Adagrad", "SparseAdam"]
+__all__ = ["SGD", "Adagrad", "Adam", "SparseAdam"]
 
 
 def _real(name: str, value) -> float:
@@ -55,6 +58,7 @@ class _TorchOptimizer(optim.Optimizer):
     """What seqlib's optimizers share: torch's checks of arguments and of each gradient."""
 
     accepts_dense = True
+    accepts_sparse = True
     weight_decay = 0.0
 
     def __init__(self, learning_rate, positive_learning_rate: bool = False):
@@ -110,6 +114,9 @@ class _TorchOptimizer(optim.Optimizer):
     def _check_gradient(self, name: str, gradient, parameter) -> None:
         where = f"gradients[{name!r}]"
         if isinstance(gradient, SparseGradient):
+            if not self.accepts_sparse:
+                raise TypeError(f"{where}: {type(self).__name__} does not take a SparseGradient (as torch's does not); "
+                                "use SparseAdam for the sparse tables, with this optimizer for the dense parameters")
             if self.weight_decay:
                 raise ValueError(f"weight_decay: must be 0 for the SparseGradient {where} (as in torch), "
                                  f"got {self.weight_decay}")  # fmt: skip
@@ -145,6 +152,23 @@ def _check_state(name: str, state, parameter: mx.array) -> None:
                 f"gradients[{name!r}]: the optimizer's {key!r} state is {tuple(value.shape)} {value.dtype}, the "
                 f"parameter {tuple(parameter.shape)} {parameter.dtype}; use a new optimizer for a new or changed model"
             )
+
+
+def _checked_betas(betas) -> tuple[float, float]:
+    """``betas`` as a pair of floats, each in [0, 1), or the error torch's Adam optimizers raise."""
+    if not isinstance(betas, (tuple, list)) or len(betas) != 2:
+        raise TypeError(f"betas: expected a pair (beta1, beta2), got {betas!r}")
+    for index, beta in enumerate(betas):
+        _check_range(f"betas[{index}]", beta, high=1.0, high_open=True)
+    return tuple(_real(f"betas[{index}]", beta) for index, beta in enumerate(betas))
+
+
+def _bias_correction(beta: float, step: mx.array) -> mx.array:
+    """1 - beta ** step in float32, as -expm1(step log beta): accurate to a few ulp also where beta ** step is near 1
+    (1 - 0.999 ** 1 computed in float32 is off by 1e-5 of itself); torch computes it in float64."""
+    if beta == 0:
+        return mx.array(1.0)
+    return -mx.expm1(step.astype(mx.float32) * math.log(beta))
 
 
 class SGD(_TorchOptimizer):
@@ -259,6 +283,103 @@ class Adagrad(_TorchOptimizer):
         return parameter - step_size * gradient / (mx.sqrt(state["sum"]) + self.eps)
 
 
+class Adam(_TorchOptimizer):
+    r"""Adam, torch's ``optim.Adam``: a step per coordinate from running averages of the gradient and its square.
+
+    With gradient :math:`g_t` of parameter :math:`p` at its step t (:math:`-g_t` with ``maximize``,
+    plus :math:`\lambda p` with ``weight_decay`` :math:`\lambda`):
+
+    .. math::
+
+        \begin{aligned}
+        m_t &= \beta_1 m_{t-1} + (1 - \beta_1)\, g_t, \qquad
+        v_t = \beta_2 v_{t-1} + (1 - \beta_2)\, g_t^2 \\
+        p &\leftarrow p - \frac{\eta}{1 - \beta_1^t} \cdot
+             \frac{m_t}{\sqrt{\hat v_t} / \sqrt{1 - \beta_2^t} + \epsilon}
+        \end{aligned}
+
+    elementwise, from :math:`m_0 = v_0 = 0`, with :math:`\hat v_t = v_t`, or with ``amsgrad`` the
+    largest :math:`v` so far.  The bias corrections are on, as in torch (``mlx.optimizers.Adam``
+    leaves them off by default), and :math:`\epsilon` is added after the square root.
+
+    On MLX's CPU device (float32, where :mod:`seqlib.native` is built) each parameter's update is one
+    C++ primitive on every core, in the order and roundings of torch's CPU kernels, the bias
+    corrections in float64 as torch's: the moments equal torch's bit for bit; the parameter can differ
+    by an ulp (torch's square roots are MKL's, which are not correctly rounded, and its learning rate
+    a float64 where MLX keeps a float32).  Elsewhere it is MLX ops, the same numbers within float32
+    rounding.  It works under ``mx.compile`` of a training step as
+    ``mlx.optimizers`` do.  A :class:`~seqlib.sparse.SparseGradient` is a TypeError, as in torch (use
+    :class:`SparseAdam` for sparse tables).
+
+    Args:
+        learning_rate: :math:`\eta`, a number or a schedule (a function of the step). Default 0.001.
+        betas: :math:`(\beta_1, \beta_2)`, each in [0, 1). Default (0.9, 0.999).
+        eps: :math:`\epsilon`. Default 1e-8.
+        weight_decay: :math:`\lambda`, the L2 penalty added to the gradients. Default 0.
+        amsgrad: normalise by the largest second moment so far. Default False.
+        maximize: ascend the objective instead. Default False.
+    """
+
+    accepts_sparse = False
+
+    def __init__(self, learning_rate=0.001, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
+                 weight_decay: float = 0.0, amsgrad: bool = False, maximize: bool = False):  # fmt: skip
+        super().__init__(learning_rate)
+        _check_range("eps", eps)
+        _check_range("weight_decay", weight_decay)
+        for name, flag in (("amsgrad", amsgrad), ("maximize", maximize)):
+            if not isinstance(flag, bool):
+                raise TypeError(f"{name}: expected True or False, got {flag!r}")
+        self.betas, self.eps = _checked_betas(betas), _real("eps", eps)
+        self.weight_decay, self.amsgrad, self.maximize = _real("weight_decay", weight_decay), amsgrad, maximize
+
+    def init_single(self, parameter, state: dict):
+        super().init_single(parameter, state)
+        state["exp_avg"] = mx.zeros(parameter.shape, parameter.dtype)
+        state["exp_avg_sq"] = mx.zeros(parameter.shape, parameter.dtype)
+        if self.amsgrad:
+            state["max_exp_avg_sq"] = mx.zeros(parameter.shape, parameter.dtype)
+
+    def _moment_names(self) -> tuple[str, ...]:
+        return ("exp_avg", "exp_avg_sq", "max_exp_avg_sq") if self.amsgrad else ("exp_avg", "exp_avg_sq")
+
+    def apply_single(self, gradient, parameter: mx.array, state: dict) -> mx.array:
+        beta1, beta2 = self.betas
+        step = self._count_step(state)
+        learning_rate = self.learning_rate.astype(mx.float32)
+        if path_for(parameter.dtype) == "native":  # the bias corrections in float64 there, as torch's
+            moments = [state[name] for name in self._moment_names()]
+            parameter, *moments = native.extension().adam_update(
+                parameter, gradient, moments, step, learning_rate, beta1, beta2, self.eps, self.weight_decay,
+                self.amsgrad, self.maximize)  # fmt: skip
+            state.update(zip(self._moment_names(), moments, strict=True))
+            return parameter
+        neg_step_size = -learning_rate / _bias_correction(beta1, step)
+        bias_correction2_sqrt = mx.sqrt(_bias_correction(beta2, step))
+        return self._update_with_ops(gradient, parameter, state, neg_step_size.astype(parameter.dtype),
+                                     bias_correction2_sqrt.astype(parameter.dtype))  # fmt: skip
+
+    def _update_with_ops(self, gradient, parameter, state, neg_step_size, bias_correction2_sqrt):
+        """The update in MLX ops, in the native loop's order (optim_cpu.cpp), its fused multiply-adds rounded twice
+        (and the bias corrections computed in float32: float64 is the CPU's alone)."""
+        beta1, beta2 = self.betas
+        if self.maximize:
+            gradient = -gradient
+        if self.weight_decay:
+            gradient = gradient + self.weight_decay * parameter
+        weight, exp_avg = 1 - beta1, state["exp_avg"]
+        if weight < 0.5:
+            exp_avg = exp_avg + weight * (gradient - exp_avg)
+        else:
+            exp_avg = gradient + (weight - 1) * (gradient - exp_avg)
+        exp_avg_sq = state["exp_avg_sq"] * beta2 + ((1 - beta2) * gradient) * gradient
+        state["exp_avg"], state["exp_avg_sq"] = exp_avg, exp_avg_sq
+        if self.amsgrad:
+            exp_avg_sq = state["max_exp_avg_sq"] = mx.maximum(state["max_exp_avg_sq"], exp_avg_sq)
+        denominator = mx.sqrt(exp_avg_sq) / bias_correction2_sqrt + self.eps
+        return parameter + (neg_step_size * exp_avg) / denominator
+
+
 class SparseAdam(_TorchOptimizer):
     r"""Adam for sparse gradients, torch's ``optim.SparseAdam``: moments and step touch only the rows with a gradient.
 
@@ -287,11 +408,7 @@ class SparseAdam(_TorchOptimizer):
     def __init__(self, learning_rate=0.001, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8):
         super().__init__(learning_rate, positive_learning_rate=True)
         _check_range("eps", eps, low_open=True)
-        if not isinstance(betas, (tuple, list)) or len(betas) != 2:
-            raise TypeError(f"betas: expected a pair (beta1, beta2), got {betas!r}")
-        for index, beta in enumerate(betas):
-            _check_range(f"betas[{index}]", beta, high=1.0, high_open=True)
-        self.betas, self.eps = tuple(betas), eps
+        self.betas, self.eps = _checked_betas(betas), eps
 
     def init_single(self, parameter, state: dict):
         super().init_single(parameter, state)

@@ -27,7 +27,7 @@ def test_recurrent_suite_runs_validates_and_prints_ratios_against_torch_and_mlx_
     for expected in ("LSTM forward,", "LSTM forward + backward", "GRU forward,", "vs mlx.nn", "torch (1 thread)",
                      "GFLOP of matmuls", "summary", "[ok]", "this machine's limits", "x limit",
                      "training step, character model", "seqlib (compiled)", "compiled / torch",
-                     "the step's parts", "embedding + LSTM layers forward+backward (seqlib)", "Adam update (MLX)",
+                     "the step's parts", "embedding + LSTM layers forward+backward (seqlib)", "Adam update (seqlib)",
                      "cross-entropy forward+backward (seqlib)", "compiled with MLX's cross-entropy / torch",
                      "MLX buffer cache limit raised", "streaming with 8-bit weights", "8-bit / float"):  # fmt: skip
         assert expected in result.stdout

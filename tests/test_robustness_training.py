@@ -31,8 +31,9 @@ from seqlib import optim
 from seqlib.interop import from_mlx, from_torch, to_mlx, to_mlx_array
 from seqlib.sparse import SparseGradient, lookup_table, value_and_grad
 
-OPTIMIZER_NAMES = ["SGD", "Adagrad", "SparseAdam"]
-DEFAULT_LR = {"SGD": 0.1, "Adagrad": 0.1, "SparseAdam": 0.05}
+OPTIMIZER_NAMES = ["SGD", "Adagrad", "SparseAdam"]  # those that take a SparseGradient
+DENSE_OPTIMIZER_NAMES = ["SGD", "Adagrad", "Adam"]
+DEFAULT_LR = {"SGD": 0.1, "Adagrad": 0.1, "SparseAdam": 0.05, "Adam": 0.01}
 
 
 def make_optimizer(name, **kwargs):
@@ -220,7 +221,7 @@ def test_an_optimizer_reused_on_a_bigger_table_refuses_instead_of_scattering_pas
     assert_clear_error(outcome, "'weight'", "(4, 2)", "(1000000, 2)", "new optimizer", allowed=(ValueError,))
 
 
-@pytest.mark.parametrize("name", ["SGD", "Adagrad"])
+@pytest.mark.parametrize("name", DENSE_OPTIMIZER_NAMES)
 def test_an_optimizer_reused_after_a_dtype_change_refuses_instead_of_promoting_the_parameter(name):
     optimizer = make_optimizer(name, **({"momentum": 0.5} if name == "SGD" else {}))
     table = seqlib.nn.Embedding(4, 2)
@@ -304,6 +305,7 @@ ARGUMENTS = {
     "Adagrad": {"lr": "learning_rate", "lr_decay": "lr_decay", "weight_decay": "weight_decay",
                 "initial_accumulator_value": "initial_accumulator_value", "eps": "eps"},
     "SparseAdam": {"lr": "learning_rate", "eps": "eps", "beta1": None, "beta2": None},
+    "Adam": {"lr": "learning_rate", "eps": "eps", "weight_decay": "weight_decay", "beta1": None, "beta2": None},
 }  # fmt: skip
 
 
@@ -318,7 +320,7 @@ def torch_accepts(name, torch_kwargs) -> str | None:
 
 @st.composite
 def optimizer_arguments(draw):
-    name = draw(st.sampled_from(OPTIMIZER_NAMES))
+    name = draw(st.sampled_from([*OPTIMIZER_NAMES, "Adam"]))
     torch_kwargs = {argument: draw(st.sampled_from(ARGUMENT_VALUES)) for argument in ARGUMENTS[name]
                     if draw(st.booleans())}  # fmt: skip
     if name == "SGD" and draw(st.booleans()):
@@ -332,7 +334,7 @@ def test_optimizer_arguments_are_accepted_and_refused_as_torch_does(case):
     name, torch_kwargs = case
     torch_kwargs.setdefault("lr", 0.1)
     ours = {ARGUMENTS[name].get(key, key): value for key, value in torch_kwargs.items() if "beta" not in key}
-    if name == "SparseAdam":
+    if name in ("SparseAdam", "Adam"):
         betas = (torch_kwargs.pop("beta1", 0.9), torch_kwargs.pop("beta2", 0.999))
         torch_kwargs["betas"] = ours["betas"] = betas
     refusal = torch_accepts(name, torch_kwargs)
@@ -368,6 +370,12 @@ def test_optimizer_arguments_are_accepted_and_refused_as_torch_does(case):
         ("SGD", {"momentum": math.nan}, ValueError, ["momentum", "nan"]),  # torch lets NaN through here
         ("SGD", {"learning_rate": lambda step: -0.1 * mx.ones(())}, ValueError, ["learning_rate"]),
         ("Adagrad", {"learning_rate": lambda step: 0.1}, TypeError, ["learning_rate", "schedule", "float"]),
+        ("Adam", {"betas": (0.9, 1.0)}, ValueError, ["betas[1]", "1.0"]),
+        ("Adam", {"weight_decay": -0.1}, ValueError, ["weight_decay", "-0.1"]),
+        ("Adam", {"eps": -1e-8}, ValueError, ["eps", "-1e-08"]),
+        ("Adam", {"amsgrad": 1}, TypeError, ["amsgrad", "1"]),
+        ("Adam", {"maximize": "yes"}, TypeError, ["maximize", "yes"]),
+        ("Adam", {"betas": [0.9, "0.99"]}, TypeError, ["betas[1]", "str"]),
     ],
 )
 def test_optimizer_constructors_refuse_malformed_arguments(name, kwargs, error, words):
@@ -387,7 +395,7 @@ def test_a_learning_rate_schedule_and_a_one_element_array_are_still_accepted():
 FLOAT_ONES = np.ones((4, 2), np.float32)
 
 
-@pytest.mark.parametrize("name", ["SGD", "Adagrad"])
+@pytest.mark.parametrize("name", DENSE_OPTIMIZER_NAMES)
 @pytest.mark.parametrize(
     ("gradients", "dtype", "error", "words"),
     [
@@ -410,7 +418,7 @@ def test_dense_gradients_that_do_not_fit_their_parameter_are_refused(name, gradi
     assert_clear_error(outcome, *words, allowed=(error,), case=(name, dtype))
 
 
-@pytest.mark.parametrize("name", OPTIMIZER_NAMES)
+@pytest.mark.parametrize("name", [*OPTIMIZER_NAMES, "Adam"])
 def test_update_and_apply_gradients_refuse_what_is_not_a_model(name):
     gradients = {"weight": mx.ones((4, 2))}
     for call, words in [(lambda: make_optimizer(name).update(None, gradients), ["model", "NoneType"]),
@@ -422,7 +430,7 @@ def test_update_and_apply_gradients_refuse_what_is_not_a_model(name):
             assert word in str(raised.value)
 
 
-@pytest.mark.parametrize("name", ["SGD", "Adagrad"])
+@pytest.mark.parametrize("name", DENSE_OPTIMIZER_NAMES)
 def test_apply_gradients_takes_a_parameter_tree_as_mlx_optimizers_do(name):
     table = seqlib.nn.Embedding(4, 2)
     updated = make_optimizer(name).apply_gradients({"weight": mx.ones((4, 2))}, table.parameters())
@@ -447,7 +455,8 @@ def test_sparse_adam_refuses_dense_gradients_and_weight_decay_refuses_sparse_one
 
 def test_valid_dense_gradients_still_match_torch():
     gradient = np.random.default_rng(0).standard_normal((4, 2)).astype(np.float32)
-    for name, kwargs in [("SGD", {"momentum": 0.9, "nesterov": True}), ("Adagrad", {"weight_decay": 0.1})]:
+    for name, kwargs in [("SGD", {"momentum": 0.9, "nesterov": True}), ("Adagrad", {"weight_decay": 0.1}),
+                         ("Adam", {"weight_decay": 0.1, "amsgrad": True})]:  # fmt: skip
         outcome = run_isolated(dense_update, name, kwargs, {"weight": gradient})
         theirs = torch.nn.Parameter(torch.ones(4, 2))
         theirs.grad = torch.from_numpy(gradient)

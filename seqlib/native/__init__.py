@@ -7,12 +7,14 @@ operation) that run a whole LSTM, GRU or Elman RNN layer-direction in one operat
 time step one OpenBLAS call and one loop of gate math vectorised for the host's CPU.
 It also copies a batch-first input time-major on several threads (MLX copies on one).
 ``bags_cpu.cpp`` pools embedding bags straight from the table, in one pass, forward and
-backward.  For streaming, ``lstm_step``/``gru_step``/``rnn_step`` run one time step of a cell
-or a stack of layers at once, outside MLX's graph (an MLX graph per step at batch 1 costs
-more than the step).  :mod:`seqlib.scan` and :func:`seqlib.functional.embedding_bag` use them where
-:func:`available` says so; the MLX-ops path gives the same numbers within float32
-rounding and stays in place everywhere else (other dtypes, a projected LSTM, the Metal
-kernels, macOS).  A call that no transformation traces runs the forward alone; under
+backward; ``losses_cpu.cpp`` is softmax cross-entropy, ``optim_cpu.cpp`` Adam's update
+(:class:`seqlib.optim.Adam`), each one pass on every core.  For streaming,
+``lstm_step``/``gru_step``/``rnn_step`` run one time step of a cell or a stack of layers at once,
+outside MLX's graph (an MLX graph per step at batch 1 costs more than the step).
+:mod:`seqlib.scan`, :func:`seqlib.functional.embedding_bag`, :mod:`seqlib.losses` and
+:class:`seqlib.optim.Adam` use them where :func:`available` says so; the MLX-ops path gives the
+same numbers within float32 rounding and stays in place everywhere else (other dtypes, a
+projected LSTM, the Metal kernels, macOS).  A call that no transformation traces runs the forward alone; under
 ``mx.grad`` the forward also saves what the backward primitive needs.
 
 The extension is compiled with ``g++ -O3 -march=native`` by :mod:`seqlib._build` when the

@@ -583,5 +583,6 @@ void register_bags(nanobind::module_& m);
 void register_checks(nanobind::module_& m);
 void register_rows(nanobind::module_& m);
 void register_losses(nanobind::module_& m);
+void register_optim(nanobind::module_& m);
 
 }  // namespace seqlib_cpu
