@@ -280,3 +280,19 @@ def test_the_native_update_refuses_arrays_it_was_not_built_for():
             call()
         for word in words:
             assert word in str(raised.value), (word, str(raised.value))
+
+
+def test_a_gradient_through_the_update_needs_the_mlx_ops_path_and_says_so():
+    model = one_parameter_model(np.ones(4, np.float32))
+    optimizer = optim.Adam(learning_rate=0.1)
+    optimizer.init(model.trainable_parameters())
+
+    def updated_sum(gradient):
+        return optimizer.apply_gradients({"weight": gradient}, model.trainable_parameters())["weight"].sum()
+
+    if native.available():
+        with pytest.raises(ValueError, match=r"AdamUpdate.*gradient through an optimizer's update.*SEQLIB_NATIVE=0"):
+            mx.eval(mx.grad(updated_sum)(mx.ones(4)))
+    with kernels.use_backend("plain"):
+        gradient = mx.grad(updated_sum)(mx.ones(4))
+    assert np.all(np.isfinite(np.array(gradient)))

@@ -151,7 +151,11 @@ class CpuLoop : public mx::Primitive {
 
   std::vector<mx::array> vjp(const std::vector<mx::array>& primals, const std::vector<mx::array>& cotangents,
                              const std::vector<int>& argnums, const std::vector<mx::array>& outputs) override {
-    if (vjp_ == nullptr) throw std::invalid_argument(unsupported("A second derivative"));
+    if (vjp_ == nullptr) {  // a backward loop (its gradient is a second derivative), a check, an optimizer's update
+      throw std::invalid_argument(std::string(name_) + " (one of seqlib's C++ CPU primitives) has no gradient: a second "
+                                  "derivative of a layer, or a gradient through an optimizer's update, is not supported "
+                                  "there; set SEQLIB_NATIVE=0 to run the MLX-ops path, which supports it");
+    }
     return vjp_(params_, primals, cotangents, argnums, outputs);
   }
 
