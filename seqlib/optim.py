@@ -303,13 +303,13 @@ class Adam(_TorchOptimizer):
     leaves them off by default), and :math:`\epsilon` is added after the square root.
 
     On MLX's CPU device (float32, where :mod:`seqlib.native` is built) each parameter's update is one
-    C++ primitive on every core, in the order and roundings of torch's CPU kernels, the bias
-    corrections in float64 as torch's: the moments equal torch's bit for bit; the parameter can differ
-    by an ulp (torch's square roots are MKL's, which are not correctly rounded, and its learning rate
-    a float64 where MLX keeps a float32).  Elsewhere it is MLX ops, the same numbers within float32
-    rounding.  It works under ``mx.compile`` of a training step as
-    ``mlx.optimizers`` do.  A :class:`~seqlib.sparse.SparseGradient` is a TypeError, as in torch (use
-    :class:`SparseAdam` for sparse tables).
+    C++ primitive on every core, in the order and roundings of torch's AVX2 and AVX-512 CPU kernels,
+    the bias corrections in float64 as torch's: the moments equal those of torch's default Adam there
+    bit for bit; the parameter can differ by an ulp (torch's square roots are MKL's, which are not
+    correctly rounded, and its learning rate a float64 where MLX keeps a float32).  Elsewhere it is
+    MLX ops, the same numbers within float32 rounding.  It works under ``mx.compile`` of a training
+    step as ``mlx.optimizers`` do.  A :class:`~seqlib.sparse.SparseGradient` is a TypeError, as in
+    torch (use :class:`SparseAdam` for sparse tables).
 
     Args:
         learning_rate: :math:`\eta`, a number or a schedule (a function of the step). Default 0.001.

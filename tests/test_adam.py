@@ -1,10 +1,11 @@
 """seqlib.optim.Adam against torch.optim.Adam (its default, for-loop implementation, on the CPU).
 
-The native path (float32 on MLX's CPU device: seqlib/native/optim_cpu.cpp) follows torch's kernels
-operation by operation: its moments equal torch's bit for bit where the parameter does not feed back
-into the gradient (no weight decay), and the parameter is within a rounding of torch's per step (torch's
-square roots are MKL's, not correctly rounded).  The MLX-ops path (the "plain" backend here) gives the
-same numbers within float32 rounding.
+The native path (float32 on MLX's CPU device: seqlib/native/optim_cpu.cpp) follows torch's vectorised
+kernels operation by operation: its moments equal torch's bit for bit where the parameter does not feed
+back into the gradient (no weight decay) and torch runs its AVX2 or AVX-512 kernels (its scalar
+"default" kernels round the lerp and the addcmul in two steps, not one), and the parameter is within a
+rounding of torch's per step (torch's square roots are MKL's, not correctly rounded).  The MLX-ops path
+(the "plain" backend here) gives the same numbers within float32 rounding.
 """
 
 import math
@@ -23,6 +24,8 @@ from seqlib import kernels, native, optim
 
 BACKENDS = ["ops", "plain"]  # "ops": the native path where it is built; "plain": MLX's ops
 MOMENTS = ["exp_avg", "exp_avg_sq", "max_exp_avg_sq"]  # the state arrays, torch's names (the last with amsgrad)
+# whether torch's CPU kernels round as seqlib's native update does (fused multiply-adds in lerp and addcmul)
+TORCH_FUSES = torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512")
 
 
 def needs_native():
@@ -95,7 +98,10 @@ def test_the_native_update_has_torchs_moments_bit_for_bit_and_its_parameter_with
     for step, pairs in enumerate(run_both(shape, kwargs, steps, seed, "ops"), 1):
         (ours, theirs), *moments = pairs
         for (our_moment, their_moment), name in zip(moments, MOMENTS, strict=False):
-            np.testing.assert_array_equal(our_moment, their_moment, err_msg=f"{name}, step {step}, {kwargs}")
+            if TORCH_FUSES:
+                np.testing.assert_array_equal(our_moment, their_moment, err_msg=f"{name}, step {step}, {kwargs}")
+            else:
+                assert_close(our_moment, their_moment, rtol=2e-6 * step, atol=1e-7 * step, what=f"{name}, {kwargs}")
         assert_within_roundings(ours, theirs, step, learning_rate, what=f"param, step {step}, {kwargs}")
 
 

@@ -10,7 +10,8 @@
 //
 // where step is the parameter's step number, already counted (1 on its first update).  As torch's Python does, in
 // float64: step_size = learning_rate / (1 - beta1^step), bias_correction2_sqrt = sqrt(1 - beta2^step), each then
-// rounded to float32; and per element, in the order and roundings of torch's CPU kernels for its default Adam:
+// rounded to float32; and per element, in the order and roundings of torch's AVX2 and AVX-512 CPU kernels for its
+// default (for-loop) Adam:
 //
 //   g  = maximize ? -grad : grad;  g = fma(param, weight_decay, g) where weight_decay != 0     (torch's add)
 //   m  = fma(w, g - m, m) for w = 1 - beta1 < 0.5, else fma(w - 1, g - m, g)                  (torch's lerp)
@@ -19,7 +20,8 @@
 //   param = param + (-step_size m) / (sqrt(v or v_max) / bias_correction2_sqrt + eps)      (torch's addcdiv)
 //
 // Every operation is rounded once (IEEE add, multiply, divide, square root and fma), so the numbers are the same
-// for every vector width and for the scalar tail.  exp_avg and exp_avg_sq equal torch's bit for bit; torch takes
+// for every vector width and for the scalar tail.  exp_avg and exp_avg_sq equal torch's bit for bit where torch runs
+// its AVX2 or AVX-512 kernels (its scalar "default" ones round lerp and addcmul in two steps each); torch takes
 // its square roots from MKL's vsSqrt, which is not correctly rounded (one ulp off for about 17% of floats), and its
 // learning rate is a float64 where MLX's is a float32, so the parameter can differ from torch's by an ulp.
 //
