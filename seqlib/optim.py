@@ -12,7 +12,8 @@ gradient is ever built.  Note that torch's ``SGD`` momentum differs from
 gradient); these follow torch.
 
 The constructors refuse what torch's refuse (a negative learning rate, betas
-outside [0, 1), ...), and also NaN, which torch's ``SGD`` lets through.  Each
+outside [0, 1), ...), in torch's order, and also NaN, which torch's ``SGD`` lets
+through, and flags that are not booleans (torch takes any truthy value).  Each
 update checks every gradient against its parameter (same shape, same dtype, a
 parameter of that name) and, like torch, counts steps per parameter: a
 parameter that first gets a gradient late starts at its own step 1.
@@ -303,10 +304,12 @@ class Adam(_TorchOptimizer):
     leaves them off by default), and :math:`\epsilon` is added after the square root.
 
     On MLX's CPU device (float32, where :mod:`seqlib.native` is built) each parameter's update is one
-    C++ primitive on every core, in the order and roundings of torch's AVX2 and AVX-512 CPU kernels,
-    the bias corrections in float64 as torch's: the moments equal those of torch's default Adam there
-    bit for bit; the parameter can differ by an ulp (torch's square roots are MKL's, which are not
-    correctly rounded, and its learning rate a float64 where MLX keeps a float32).  Elsewhere it is
+    C++ primitive (on every core from about 19k elements), in the order and roundings of torch's AVX2
+    and AVX-512 CPU kernels, the bias corrections in float64 as torch's: the moments equal those of
+    torch's default Adam there bit for bit as long as the parameters do (weight decay feeds a
+    difference in the parameter back into them); the parameter can differ by an ulp a step (torch's
+    square roots are MKL's, which are not correctly rounded, and its learning rate a float64 where
+    MLX keeps a float32).  Elsewhere it is
     MLX ops, the same numbers within float32 rounding.  It works under ``mx.compile`` of a training
     step as ``mlx.optimizers`` do.  A :class:`~seqlib.sparse.SparseGradient` is a TypeError, as in
     torch (use :class:`SparseAdam` for sparse tables).
@@ -325,13 +328,14 @@ class Adam(_TorchOptimizer):
     def __init__(self, learning_rate=0.001, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
                  weight_decay: float = 0.0, amsgrad: bool = False, maximize: bool = False):  # fmt: skip
         super().__init__(learning_rate)
-        _check_range("eps", eps)
+        _check_range("eps", eps)  # in torch's order: learning rate, eps, betas, weight decay
+        self.betas, self.eps = _checked_betas(betas), _real("eps", eps)
         _check_range("weight_decay", weight_decay)
         for name, flag in (("amsgrad", amsgrad), ("maximize", maximize)):
-            if not isinstance(flag, bool):
+            if not isinstance(flag, (bool, np.bool_)):
                 raise TypeError(f"{name}: expected True or False, got {flag!r}")
-        self.betas, self.eps = _checked_betas(betas), _real("eps", eps)
-        self.weight_decay, self.amsgrad, self.maximize = _real("weight_decay", weight_decay), amsgrad, maximize
+        self.weight_decay = _real("weight_decay", weight_decay)
+        self.amsgrad, self.maximize = bool(amsgrad), bool(maximize)
 
     def init_single(self, parameter, state: dict):
         super().init_single(parameter, state)
@@ -367,11 +371,11 @@ class Adam(_TorchOptimizer):
             gradient = -gradient
         if self.weight_decay:
             gradient = gradient + self.weight_decay * parameter
-        weight, exp_avg = 1 - beta1, state["exp_avg"]
+        weight, exp_avg = np.float32(1 - beta1), state["exp_avg"]  # as torch's lerp takes it: a float32
         if weight < 0.5:
-            exp_avg = exp_avg + weight * (gradient - exp_avg)
+            exp_avg = exp_avg + float(weight) * (gradient - exp_avg)
         else:
-            exp_avg = gradient + (weight - 1) * (gradient - exp_avg)
+            exp_avg = gradient + float(weight - np.float32(1)) * (gradient - exp_avg)
         exp_avg_sq = state["exp_avg_sq"] * beta2 + ((1 - beta2) * gradient) * gradient
         state["exp_avg"], state["exp_avg_sq"] = exp_avg, exp_avg_sq
         if self.amsgrad:

@@ -373,7 +373,8 @@ def test_optimizer_arguments_are_accepted_and_refused_as_torch_does(case):
         ("Adam", {"betas": (0.9, 1.0)}, ValueError, ["betas[1]", "1.0"]),
         ("Adam", {"weight_decay": -0.1}, ValueError, ["weight_decay", "-0.1"]),
         ("Adam", {"eps": -1e-8}, ValueError, ["eps", "-1e-08"]),
-        ("Adam", {"amsgrad": 1}, TypeError, ["amsgrad", "1"]),
+        ("Adam", {"amsgrad": 1}, TypeError, ["amsgrad", "1"]),  # torch takes any truthy value
+        ("Adam", {"betas": (1.0, 0.999), "weight_decay": -1.0}, ValueError, ["betas[0]", "1.0"]),  # torch's order
         ("Adam", {"maximize": "yes"}, TypeError, ["maximize", "yes"]),
         ("Adam", {"betas": [0.9, "0.99"]}, TypeError, ["betas[1]", "str"]),
     ],

@@ -21,16 +21,21 @@
 //
 // Every operation is rounded once (IEEE add, multiply, divide, square root and fma), so the numbers are the same
 // for every vector width and for the scalar tail.  exp_avg and exp_avg_sq equal torch's bit for bit where torch runs
-// its AVX2 or AVX-512 kernels (its scalar "default" ones round lerp and addcmul in two steps each); torch takes
+// its AVX2 or AVX-512 kernels (its scalar "default" ones round lerp and addcmul in two steps each) and the parameter
+// does (weight decay feeds a difference in the parameter back into the moments); torch takes
 // its square roots from MKL's vsSqrt, which is not correctly rounded (one ulp off for about 17% of floats), and its
 // learning rate is a float64 where MLX's is a float32, so the parameter can differ from torch's by an ulp.
 //
-// Napkin math: 4 floats read and 3 written per element (5 and 4 with amsgrad): 28 bytes, about 92 MB for the
-// character model at H = 512, which a 2-core VM streams at 30-50 GB/s: 2-3 ms.  A few ops an element: memory-bound.
+// Napkin math: 4 floats read and 3 written per element (5 and 4 with amsgrad), the 3 into new buffers, whose lines
+// x86 reads before it writes them: 40 bytes, 131 MB for the character model at H = 512 (torch's in-place update
+// moves 28), about 2.6 ms at the 50 GB/s that this 2-core Zen 5 VM streams.  A few flops an element: memory-bound.
+// (Non-temporal stores, which skip that read, need outputs aligned to the vector; MLX's CPU buffers start 8 or 24
+// bytes past a 64-byte line.)  Parameters under about 19k elements run on one thread (parallel_for's threshold).
 
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <sstream>
 #include <stdexcept>
 #include <string>
 #include <vector>
@@ -76,25 +81,6 @@ Floats square_root(Floats a) {
 
 Floats splat(float x) { return Floats{} + x; }
 
-// to[0, kLanes) = v; with streaming, past the caches (a non-temporal store: the line is not read first), which needs
-// `to` aligned to the vector's size (aligned_for_streaming) and a stream_fence after the thread's last such store.
-void store_lanes(float* to, Floats v, bool streaming) {
-#if defined(__AVX512F__)
-  if (streaming) return _mm512_stream_ps(to, (__m512)v);
-#elif defined(__AVX__)
-  if (streaming) return _mm256_stream_ps(to, (__m256)v);
-#endif
-  store(to, v);
-}
-
-bool aligned_for_streaming(const float* to) {
-#if defined(__AVX512F__) || defined(__AVX__)
-  return reinterpret_cast<uintptr_t>(to) % sizeof(Floats) == 0;
-#else
-  return false;
-#endif
-}
-
 // The hyperparameters: beta1 and beta2 as given (for the bias corrections), the rest as torch casts them to float32
 // (see adam_update_op).
 struct AdamParams {
@@ -132,8 +118,8 @@ void update_lanes(Lanes& x, const AdamParams& params, Floats neg_step_size, Floa
 }
 
 // ins: param, grad, exp_avg, exp_avg_sq [, max_exp_avg_sq], step, learning_rate; outs: param, exp_avg, exp_avg_sq
-// [, max_exp_avg_sq], in buffers of their own (MLX never donates an input to a primitive with several outputs: each
-// output holds the inputs).
+// [, max_exp_avg_sq], in buffers of their own: MLX never donates an input to a primitive with several outputs (each
+// output holds the inputs, so none is held once), so the update cannot run in place as torch's does.
 void adam_update(std::vector<mx::array>& ins, std::vector<mx::array>& outs, const AdamParams& params) {
   const double step = static_cast<double>(*ins[ins.size() - 2].data<uint64_t>());
   const double learning_rate = *ins.back().data<float>();
@@ -150,11 +136,6 @@ void adam_update(std::vector<mx::array>& ins, std::vector<mx::array>& outs, cons
   constexpr int64_t kBlock = 64 * kLanes;  // threads take whole blocks: every vector but the last is full
   const int64_t blocks = (count + kBlock - 1) / kBlock;
   const int64_t arrays = params.amsgrad ? 9 : 7;
-  // Outputs larger than the caches are written past them: a store to a line not in cache would read it first, 3 more
-  // arrays read for the 4 read and 3 written.
-  bool streaming = seqlib_cpu::streams_output(int64_t{4} * count);
-  for (const float* out : {p_out, m_out, v_out}) streaming = streaming && aligned_for_streaming(out);
-  streaming = streaming && (v_max_out == nullptr || aligned_for_streaming(v_max_out));
   seqlib_cpu::parallel_for(blocks, count * arrays, [&](int64_t first, int64_t last) {
     const int64_t end = std::min(last * kBlock, count);
     for (int64_t i = first * kBlock; i < end; i += kLanes) {
@@ -162,7 +143,8 @@ void adam_update(std::vector<mx::array>& ins, std::vector<mx::array>& outs, cons
       Lanes x{};
       if (n == kLanes) {
         x = {load(p_in + i), load(g_in + i), load(m_in + i), load(v_in + i), v_max_in ? load(v_max_in + i) : Floats{}};
-      } else {  // the tail: zeros past the end (their lanes are computed, not stored)
+      } else {  // the tail: past the end, lanes computed and not stored (v = 1: no 0 / 0 there, even with eps = 0)
+        x.v = x.v_max = splat(1.0f);
         for (int64_t k = 0; k < n; ++k) {
           x.p[k] = p_in[i + k], x.g[k] = g_in[i + k], x.m[k] = m_in[i + k], x.v[k] = v_in[i + k];
           if (v_max_in) x.v_max[k] = v_max_in[i + k];
@@ -170,9 +152,8 @@ void adam_update(std::vector<mx::array>& ins, std::vector<mx::array>& outs, cons
       }
       update_lanes(x, params, neg_step_size, bias_correction2_sqrt);
       if (n == kLanes) {
-        store_lanes(p_out + i, x.p, streaming), store_lanes(m_out + i, x.m, streaming);
-        store_lanes(v_out + i, x.v, streaming);
-        if (v_max_out) store_lanes(v_max_out + i, x.v_max, streaming);
+        store(p_out + i, x.p), store(m_out + i, x.m), store(v_out + i, x.v);
+        if (v_max_out) store(v_max_out + i, x.v_max);
       } else {
         for (int64_t k = 0; k < n; ++k) {
           p_out[i + k] = x.p[k], m_out[i + k] = x.m[k], v_out[i + k] = x.v[k];
@@ -180,7 +161,6 @@ void adam_update(std::vector<mx::array>& ins, std::vector<mx::array>& outs, cons
         }
       }
     }
-    if (streaming) seqlib_cpu::stream_fence();
   });
 }
 
@@ -215,9 +195,13 @@ std::vector<mx::array> adam_update_op(const mx::array& param, const mx::array& g
   bool float32 = param.dtype() == mx::float32 && grad.dtype() == mx::float32 && learning_rate.dtype() == mx::float32;
   for (auto& array : state) float32 = float32 && array.dtype() == mx::float32;
   if (!float32 || step.dtype() != mx::uint64 || state.size() != moments) {
+    std::ostringstream given;
+    given << param.dtype() << ", " << grad.dtype() << " and " << learning_rate.dtype() << ", a " << step.dtype()
+          << " step and " << state.size() << " state arrays";
+    for (auto& array : state) given << " " << array.dtype();
     throw std::invalid_argument("adam_update: expected float32 param, grad and learning_rate, a uint64 step and " +
                                 std::to_string(moments) + " float32 state arrays (exp_avg, exp_avg_sq" +
-                                (amsgrad ? ", max_exp_avg_sq)" : ")") + ", got " + std::to_string(state.size()));
+                                (amsgrad ? ", max_exp_avg_sq)" : ")") + "; got " + given.str());
   }
   std::vector<const mx::array*> inputs = {&param, &grad};
   for (auto& array : state) inputs.push_back(&array);
