@@ -309,10 +309,10 @@ class Adam(_TorchOptimizer):
     torch's default Adam there bit for bit as long as the parameters do (weight decay feeds a
     difference in the parameter back into them); the parameter can differ by an ulp a step (torch's
     square roots are MKL's, which are not correctly rounded, and its learning rate a float64 where
-    MLX keeps a float32).  Elsewhere it is
-    MLX ops, the same numbers within float32 rounding.  It works under ``mx.compile`` of a training
-    step as ``mlx.optimizers`` do.  A :class:`~seqlib.sparse.SparseGradient` is a TypeError, as in
-    torch (use :class:`SparseAdam` for sparse tables).
+    MLX keeps a float32).  Elsewhere it is MLX ops, the same numbers within float32 rounding.  It works
+    under ``mx.compile`` of a training step as ``mlx.optimizers`` do.  A
+    :class:`~seqlib.sparse.SparseGradient` is a TypeError, as in torch (use :class:`SparseAdam` for
+    sparse tables).
 
     Args:
         learning_rate: :math:`\eta`, a number or a schedule (a function of the step). Default 0.001.
