@@ -189,7 +189,8 @@ def train(compiled: bool, steps: int = 3) -> list:
 
 
 def test_a_compiled_training_step_gives_the_eager_steps_numbers():
-    eager, compiled = train(False), train(True)
+    with kernels.use_backend("ops"):  # the native path where it is built (emulated kernels cannot run compiled)
+        eager, compiled = train(False), train(True)
     assert eager[:-1] == compiled[:-1]
     np.testing.assert_array_equal(eager[-1], compiled[-1])
     assert eager[-2] < eager[0]  # it trains
@@ -298,7 +299,7 @@ def test_a_gradient_through_the_update_needs_the_mlx_ops_path_and_says_so():
         return optimizer.apply_gradients({"weight": gradient}, model.trainable_parameters())["weight"].sum()
 
     if native.available():
-        with pytest.raises(ValueError, match=r"AdamUpdate.*gradient through an optimizer's update.*SEQLIB_NATIVE=0"):
+        with kernels.use_backend("ops"), pytest.raises(ValueError, match=r"AdamUpdate.*optimizer's update.*NATIVE=0"):
             mx.eval(mx.grad(updated_sum)(mx.ones(4)))
     with kernels.use_backend("plain"):
         gradient = mx.grad(updated_sum)(mx.ones(4))
