@@ -513,6 +513,8 @@ inline Floats load(const float* from) {
   return v;
 }
 inline void store(float* to, Floats v) { std::memcpy(to, &v, sizeof v); }
+// x in every lane.
+inline Floats splat(float x) { return Floats{} + x; }
 
 // Whether a loop writing `bytes` of output should write it past the caches (copy_streaming): where it outgrows the
 // L2 of every thread that may write it, so that its lines would only evict what the loop reads, and each would be

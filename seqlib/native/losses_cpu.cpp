@@ -50,10 +50,9 @@ namespace {
 using seqlib_cpu::Floats;
 using seqlib_cpu::kLanes;
 using seqlib_cpu::load;
+using seqlib_cpu::splat;
 using seqlib_cpu::store;
 typedef int32_t Ints __attribute__((vector_size(4 * kLanes)));
-
-Floats splat(float x) { return Floats{} + x; }
 
 // exp(x) for x <= 0 (or NaN, which stays NaN): see the header.
 Floats exp_nonpositive(Floats x) {

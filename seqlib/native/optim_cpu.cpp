@@ -54,6 +54,7 @@ namespace {
 using seqlib_cpu::Floats;
 using seqlib_cpu::kLanes;
 using seqlib_cpu::load;
+using seqlib_cpu::splat;
 using seqlib_cpu::store;
 
 // a b + c rounded once, and the square root, lane by lane: the instruction where the build has it.
@@ -78,8 +79,6 @@ Floats square_root(Floats a) {
   return a;
 #endif
 }
-
-Floats splat(float x) { return Floats{} + x; }
 
 // The hyperparameters: beta1 and beta2 as given (for the bias corrections), the rest as torch casts them to float32
 // (see adam_update_op).
