@@ -12,7 +12,8 @@ Three tables:
    cell's call, a layer's ``step``), against torch single-threaded and on its default
    threads (seqlib's step shares large weights among threads); then an LSTMCell
    with 8-bit weights (``to_quantized``) against the float cell and torch's dynamically
-   quantized int8 LSTMCell.
+   quantized int8 LSTMCell, at H = 128, 512 and 1,024 (float weights of 0.5, 8 and 32 MB:
+   8 bits pay where the float step reads its weights from memory, not from cache).
 4. Training a whole model: chapter 13's character model (Embedding(97, 32), a 2-layer
    LSTM, a Linear head, seqlib's cross-entropy, Adam; B = 64, L = 32), one training step,
    the MLX step compiled as MLX programs run it (``mx.compile`` with the model's and the
@@ -62,7 +63,10 @@ SCALING_STEPS, QUICK_SCALING_STEPS, SCALING_MLX_NN_STEPS = (100, 400, 1600, 3200
 SCALING_BATCHES, SCALING_WIDTH = (1, 32), 128
 # Streaming: one step at batch 1 with a carried state, evaluated every step, as a live stream runs.
 STREAM_WIDTHS, QUICK_STREAM_WIDTHS, STREAM_STEPS = (128, 512), (16,), 50
-QUICK_QUANTIZED_WIDTHS, QUANTIZED_BITS, QUANTIZED_GROUP = (64,), 8, 64
+# 8-bit weights pay where the float step is bound by reading its weights from memory.  An LSTMCell's float weights
+# are 8 MB at H = 512, which a large L3 holds (the 2-core Zen 5: 32 MB, and there 8-bit / float was 0.58-0.62), and
+# 32 MB at H = 1,024, which streams from memory on most machines (there 0.30).
+QUANTIZED_WIDTHS, QUICK_QUANTIZED_WIDTHS, QUANTIZED_BITS, QUANTIZED_GROUP = (128, 512, 1024), (64,), 8, 64
 # Training: chapter 13's character model at two widths.
 TRAINING_WIDTHS, QUICK_TRAINING_WIDTHS = (128, 512), (16,)
 CHAR_VOCAB, CHAR_EMBEDDING, CHAR_BATCH, CHAR_WINDOW, CHAR_LAYERS = 97, 32, 64, 32, 2
@@ -189,7 +193,7 @@ def main(repeats: int = 7, quick: bool = False) -> None:
     print_peak_memory(shapes)
     print_scaling(QUICK_SCALING_STEPS if quick else SCALING_STEPS, repeats=2 if quick else max(3, repeats // 2))
     print_streaming(QUICK_STREAM_WIDTHS if quick else STREAM_WIDTHS, repeats=2 if quick else repeats, machine=machine)
-    print_quantized_streaming(QUICK_QUANTIZED_WIDTHS if quick else STREAM_WIDTHS, repeats=2 if quick else repeats,
+    print_quantized_streaming(QUICK_QUANTIZED_WIDTHS if quick else QUANTIZED_WIDTHS, repeats=2 if quick else repeats,
                               machine=machine)  # fmt: skip
     print_training_steps(QUICK_TRAINING_WIDTHS if quick else TRAINING_WIDTHS, repeats=2 if quick else 3 * repeats,
                          machine=machine)  # fmt: skip
@@ -468,9 +472,11 @@ def quantized_streaming_case(hidden_size: int) -> Case:
     )
 
 
-def print_quantized_streaming(widths=STREAM_WIDTHS, repeats: int = 7, machine=None) -> list[dict]:
-    """Time the 8-bit streamed step per width; print microseconds per step and its ratio to the float step."""
-    print(f"\nstreaming with {QUANTIZED_BITS}-bit weights: microseconds per step at batch 1 (LSTMCell)")
+def print_quantized_streaming(widths=QUANTIZED_WIDTHS, repeats: int = 7, machine=None) -> list[dict]:
+    """Time the 8-bit streamed step per width; print microseconds per step and its ratio to the float step, with
+    the float weights' size (the float step is bound by reading them once they outgrow the last-level cache)."""
+    print(f"\nstreaming with {QUANTIZED_BITS}-bit weights: microseconds per step at batch 1 (LSTMCell; MB: the float "
+          f"weights a step reads)")
     rows = []
     for hidden_size in widths:
         case_rows = run_cases([quantized_streaming_case(hidden_size)], repeats=repeats, warmup=1, show=False,
@@ -479,7 +485,8 @@ def print_quantized_streaming(widths=STREAM_WIDTHS, repeats: int = 7, machine=No
         ours = f"seqlib {QUANTIZED_BITS}-bit"
         ratios = [(f"{QUANTIZED_BITS}-bit / float", ours, "seqlib float"),
                   ("/ torch int8", ours, "torch int8 (1 thread)")]
-        print(_streaming_line(f"  H={hidden_size:<5}", case_rows, ratios))
+        float_mb = 4 * 4 * hidden_size * 2 * hidden_size / 2**20  # W_ih and W_hh, (4H, H) each
+        print(_streaming_line(f"  H={hidden_size:<5}{float_mb:5.1f} MB", case_rows, ratios))
     return rows
 
 
