@@ -6,6 +6,14 @@ Cases (the sizes of the embeddings issue):
   3. The same bag, forward + backward with a dense (V, D) gradient.
   4. The same bag, forward + backward with a sparse gradient (sparse=True).
 Then the peak memory of one training step, dense against sparse.
+
+Case 4 depends on the hour on a shared virtual machine.  On the 2-core Zen 5 most runs gave seqlib
+4.3-4.6 ms against torch's 4.7-5.0 (0.87-0.94), and some gave torch 3.6-4.0 against seqlib 4.6-4.9
+(1.24-1.29).  Runs close together agreed.  No cause was found in either process: no page faults on either side,
+and no huge pages under torch's table.  torch's own huge-page switch (``THP_MEM_ALLOC_ENABLE=1``) made its
+dense backward over 20x slower, so the suite leaves it off.  seqlib's step is about 1.5 ms of pooling, 1.7 ms of
+backward (a zeroed range per 256 KB of rows, then the entries added in L2) and 0.9 ms of tracing and
+finding the unique rows, as its gradient is coalesced where torch's is not.
 """
 
 from __future__ import annotations
