@@ -12,8 +12,8 @@ Case 4 depends on the hour on a shared virtual machine.  On the 2-core Zen 5 mos
 (1.24-1.29).  Runs close together agreed.  No cause was found in either process: no page faults on either side,
 and no huge pages under torch's table.  torch's own huge-page switch (``THP_MEM_ALLOC_ENABLE=1``) made its
 dense backward over 20x slower, so the suite leaves it off.  seqlib's step is about 1.5 ms of pooling, 1.7 ms of
-backward (a zeroed range per 256 KB of rows, then the entries added in L2) and 0.9 ms of tracing and
-finding the unique rows after an idle (0.3 back to back), as its gradient is coalesced where torch's is not.
+backward (a zeroed range per 256 KB of rows, then the entries added in L2) and 0.8-0.9 ms of tracing the
+loss twice and finding the unique rows, as its gradient is coalesced where torch's is not.
 """
 
 from __future__ import annotations
