@@ -8,7 +8,7 @@ Cases (the sizes of the embeddings issue):
 Then the peak memory of one training step, dense against sparse.
 
 Case 4 depends on the hour on a shared virtual machine.  On the 2-core Zen 5 most runs gave seqlib
-4.3-4.6 ms against torch's 4.7-5.0 (0.87-0.94), and some gave torch 3.6-4.0 against seqlib 4.6-4.9
+4.3-5.1 ms against torch's 4.7-5.4 (0.87-0.94), and some gave torch 3.6-4.0 against seqlib 4.6-4.9
 (1.24-1.29).  Runs close together agreed.  No cause was found in either process: no page faults on either side,
 and no huge pages under torch's table.  torch's own huge-page switch (``THP_MEM_ALLOC_ENABLE=1``) made its
 dense backward over 20x slower, so the suite leaves it off.  seqlib's step is about 1.5 ms of pooling, 1.7 ms of
