@@ -51,7 +51,7 @@ class Recurrence:
         quantized = self._quantized_from  # the QuantizedRecurrent this float layer runs for, or None
         quantized_weights = quantized.native_step_weights(suffixes) if quantized is not None else None
         if quantized_weights is not None:  # read the packed integers, never the dequantized matrices
-            if is_traced(rows, *states, *(weight for weight in quantized_weights if weight is not None)):
+            if is_traced(rows, *states, *quantized_weights):
                 return None
             return self._native_quantized_step(native.extension(), rows, states, quantized_weights,
                                                quantized.group_size, quantized.bits)  # fmt: skip
@@ -60,7 +60,7 @@ class Recurrence:
         for suffix in suffixes:
             layer_weights = [self[name + suffix] for name in names]
             weights += layer_weights + [None] * (4 - len(layer_weights))
-        if is_traced(rows, *states, *(weight for weight in weights if weight is not None)):
+        if is_traced(rows, *states, *weights):
             return None
         return self._native_step(native.extension(), rows, states, weights)
 
