@@ -361,16 +361,19 @@ def test_the_loop_computes_its_input_side_only_where_the_input_is_narrow(kind, i
 
 @linux_only
 @needs_packed_loops
-@pytest.mark.parametrize(("hidden_size", "in_the_loop"), [(32, True), (224, False)])
+@pytest.mark.parametrize(("batch", "hidden_size", "in_the_loop"),
+                         [(8, 32, "all"), (32, 224, "input side"), (8, 224, "none")])
 @pytest.mark.parametrize("kind", ["lstm", "gru"])
-def test_the_backward_takes_the_input_sides_gradients_only_where_they_are_small(kind, hidden_size, in_the_loop,
+def test_the_backward_takes_the_input_sides_gradients_only_where_they_are_small(kind, batch, hidden_size, in_the_loop,
                                                                                 tmp_path):  # fmt: skip
     """Where the forward computed its input side, the backward's loop takes d_x, d_w_ih, d_w_hh and the biases'
-    gradients itself while those fit 512 KB (G H (D + H) floats: no matmul in their graph), else the vjp's
-    matmuls after the loop; the bias's gradient is summed in the loop either way (no sum in its graph); both agree
-    with the layer given its input product, with x's gradient asked for or not (x is data: the loop skips d_x)."""
+    gradients itself while those fit 512 KB (G H (D + H) floats: no matmul in their graph); else, at 32 rows a step
+    and more, d_x, d_w_ih and the biases' while those fit (G H D floats), d_w_hh then a product after the loop;
+    else the vjp's matmuls after the loop.  The bias's gradient is summed in the loop every way (no sum in its
+    graph); all agree with the layer given its input product, with x's gradient asked for or not (x is data: the
+    loop skips d_x)."""
     gates, _, given_input_of, given_product_of = INPUT_KINDS[kind]
-    batch, input_size, steps = 8, 32, 6  # D <= 4 B: the forward computes its input side on AVX2 and AVX-512
+    input_size, steps = 32, 6  # D <= 4 B: the forward computes its input side on AVX2 and AVX-512
     batch_sizes = [batch] * (steps - 1) + [batch - 3]
     rows = sum(batch_sizes)
     arguments = [random((rows, input_size), 1), random((gates * hidden_size, input_size), 2, 0.2),
@@ -386,7 +389,8 @@ def test_the_backward_takes_the_input_sides_gradients_only_where_they_are_small(
     grads = mx.grad(loss(given_input_of), argnums)(*arguments)
     graph = graph_of(grads[1], tmp_path)  # d_w_ih, read before it is evaluated
     assert ("LSTMSequenceBackward" if kind == "lstm" else "GRUSequenceBackward") in graph
-    assert ("Matmul" not in graph) == in_the_loop
+    assert ("Matmul" not in graph) == (in_the_loop != "none")
+    assert ("Matmul" not in graph_of(grads[2], tmp_path)) == (in_the_loop == "all")  # d_w_hh
     assert "Sum" not in graph_of(grads[-1], tmp_path)  # the bias's gradient
     want = mx.grad(loss(given_product_of), argnums)(*arguments)
     for name, mine, theirs in zip(["d_x", "d_w_ih", "d_w_hh", "d_state0", "d_state1", "d_bias"], grads, want,

@@ -1304,7 +1304,9 @@ class GateRows {
 // in the same order (the steps in the loop's order, each step's rows in order), whichever thread takes it:
 // the same bits for every team.  The GRU's w_hh and b_hh take its hidden side's gradients, w_ih and the bias
 // its input side's.
-// Only where the gradients are small (fuses_input_gradients): they are read and written back at every step.
+// Only where the gradients are small (fuses_input_gradients): they are read and written back at every step.  Where
+// only the input side's are (fuses_input_side_gradients), the loop takes d_x, d_w_ih and the biases' and leaves
+// d_w_hh to one product after it (InputGradients::d_w_hh nullptr; d_gates then keeps all N rows for it).
 // The loop alone, interleaved builds, weights' gradients (2-core AVX-512 Xeon, (T, B, D, H) = (200, 64, 128, 128)):
 // the transposed copies (aligned d_gates rows as the tiles' vector loads) against the gradient's own rows (the
 // sources' rows as the loads, straddling cache lines), layer forward+backward: GRU 36.4-37.4 -> 35.5-36.6 ms, LSTM
@@ -1345,7 +1347,7 @@ struct InputGradients {
   const GateRows* d_hidden_side;  // (N, G H): d_w_hh (and the GRU's b_hh) from it; the LSTM's is d_input_side
   float* d_x;                      // (N, D); nullptr where x's gradient is not asked for
   float* d_w_ih;                   // (G H, D)
-  float* d_w_hh;                   // (G H, H)
+  float* d_w_hh;                   // (G H, H); nullptr: one product after the loop (fuses_input_side_gradients)
   float* d_bias;                   // (G H,): the input side's bias (b_ih, or the LSTM's folded bias)
   float* d_b_hh;                   // (G H,): the GRU's b_hh; nullptr for the LSTM
 };
@@ -1450,7 +1452,7 @@ inline void accumulate_rows(Transposed& sums, int count, const float* d, int ldd
 // each tile.
 template <class Tick>
 void accumulate_step_gradients(const Loop& loop, const Step& step, size_t index, const InputGradients& in,
-                               Transposed& d_w_ih, Transposed& d_w_hh, std::vector<const float*>& sources, Tick tick) {
+                               Transposed& d_w_ih, Transposed* d_w_hh, std::vector<const float*>& sources, Tick tick) {
   const int first = d_w_ih.first, end = d_w_ih.end;
   if (first >= end) return;
   const int hidden = in.h0->shape(1), gates = in.d_input_side->width();
@@ -1458,11 +1460,13 @@ void accumulate_step_gradients(const Loop& loop, const Step& step, size_t index,
   const float* d_hidden = in.d_hidden_side->rows(step, index);
   for (int r = 0; r < step.rows; ++r) sources[r] = in.x + (static_cast<size_t>(step.first) + r) * in.depth;
   accumulate_rows(d_w_ih, step.rows, d_input, gates, sources.data(), in.depth, tick);
-  const Step* earlier = earlier_step(loop, step);
-  for (int r = 0; r < step.rows; ++r) {
-    sources[r] = continues(earlier, r) ? row_of(*in.output, earlier->first + r) : row_of(*in.h0, r);
+  if (d_w_hh != nullptr) {
+    const Step* earlier = earlier_step(loop, step);
+    for (int r = 0; r < step.rows; ++r) {
+      sources[r] = continues(earlier, r) ? row_of(*in.output, earlier->first + r) : row_of(*in.h0, r);
+    }
+    accumulate_rows(*d_w_hh, step.rows, d_hidden, gates, sources.data(), hidden, tick);
   }
-  accumulate_rows(d_w_hh, step.rows, d_hidden, gates, sources.data(), hidden, tick);
   accumulate_sums(first, end, step.rows, d_input, gates, in.d_bias);
   if (in.d_b_hh != nullptr) accumulate_sums(first, end, step.rows, d_hidden, gates, in.d_b_hh);
 }
@@ -1476,9 +1480,11 @@ void ask_gradient_sources(LineRequests& lines, const Loop& loop, const Step& ste
   const int hidden = in.h0->shape(1), width = in.d_input_side->width();
   lines.add(in.x + static_cast<size_t>(step.first) * in.depth, sizeof(float) * step.rows * in.depth);
   const Step* earlier = earlier_step(loop, step);
-  const int continuing = continuing_rows(earlier, step.rows);
+  const int continuing = in.d_w_hh != nullptr ? continuing_rows(earlier, step.rows) : 0;  // the states: d_w_hh's
   if (continuing > 0) lines.add(row_of(*in.output, earlier->first), sizeof(float) * continuing * hidden);
-  if (continuing < step.rows) lines.add(row_of(*in.h0, continuing), sizeof(float) * (step.rows - continuing) * hidden);
+  if (in.d_w_hh != nullptr && continuing < step.rows) {
+    lines.add(row_of(*in.h0, continuing), sizeof(float) * (step.rows - continuing) * hidden);
+  }
   const auto others = [&](const GateRows& gates, int r0, int r1) {
     if (r0 < r1) {
       lines.add(gates.rows(step, index) + static_cast<size_t>(r0) * width + first_gate,
@@ -1562,7 +1568,7 @@ void packed_backward_steps(const Loop& loop, int batch, int hidden, const float*
     std::optional<Transposed> d_w_ih, d_w_hh;  // this thread's rows of the weight gradients
     if (input != nullptr) {
       d_w_ih.emplace(first_gate, end_gate, input_width);
-      d_w_hh.emplace(first_gate, end_gate, hidden);
+      if (input->d_w_hh != nullptr) d_w_hh.emplace(first_gate, end_gate, hidden);
     }
     std::vector<const float*> sources(input != nullptr ? batch : 0);  // rows of x or of the states, for a step
     if (parts > 1) barrier.wait(thread);  // each thread reads blocks that others of its group packed
@@ -1625,10 +1631,11 @@ void packed_backward_steps(const Loop& loop, int batch, int hidden, const float*
                        }
                      });
       }
-      accumulate_step_gradients(loop, *step, index, *input, *d_w_ih, *d_w_hh, sources, tick);
+      accumulate_step_gradients(loop, *step, index, *input, *d_w_ih, d_w_hh ? &*d_w_hh : nullptr, sources, tick);
       step_ticks = std::exchange(ticks, 0);
     }
-    if (input != nullptr) d_w_ih->write(input_width, input->d_w_ih), d_w_hh->write(hidden, input->d_w_hh);
+    if (input != nullptr) d_w_ih->write(input_width, input->d_w_ih);
+    if (d_w_hh) d_w_hh->write(hidden, input->d_w_hh);
     if (!meets && !row_sums.empty()) {  // the threads never met: every row is written only now
       barrier.wait(thread);
       for (auto step = loop.steps.rbegin(); step != loop.steps.rend(); ++step) {
@@ -1648,7 +1655,7 @@ InputGradients input_gradients(const std::vector<mx::array>& ins, std::vector<mx
   return InputGradients{ins[at].data<float>(), ins[at + 1].data<float>(), static_cast<int>(ins[at].shape(1)), &h0,
                         &output, &d_input_side, &d_hidden_side,
                         outs[3].size() > 0 ? outs[3].data<float>() : nullptr, outs[4].data<float>(),
-                        outs[5].data<float>(), outs[6].data<float>(),
+                        outs[5].size() > 0 ? outs[5].data<float>() : nullptr, outs[6].data<float>(),
                         outs.size() > 7 ? outs[7].data<float>() : nullptr};
 }
 
@@ -1800,6 +1807,20 @@ constexpr int64_t kFusedGradientBytes = 512 << 10;
 bool fuses_input_gradients(int gates, int hidden, int depth) {
   return int64_t{4} * gates * hidden * (int64_t{hidden} + depth) <= kFusedGradientBytes;
 }
+// Where they are not, the loop may still take the input side's alone: d_x and d_w_ih (G H D floats), w_hh's gradient
+// then one product after it (previous_states_product), as without the input side.  That spares the two products
+// after the loop with a narrow side (N or D columns), which OpenBLAS runs at about 185 GFLOP/s on two Zen 5 cores
+// against 470 for square ones (D = 32: d_x 1.4-1.7 ms, d_w_ih 1.5-1.7, each 268 MFLOP at N = 2,048, G H = 2,048); a
+// first kernel of ours for them, without OpenBLAS's packing, ran at 160 and 90 (rows 8 KB apart share L1's and L2's
+// sets).  Layer forward+backward (all gradients, x's too), this against the four operations after the loop,
+// interleaved in one process, 2-core Zen 5 (tools/ab_native.py's compare; LSTM / GRU): (T, B, D, H) = (32, 64, 32,
+// 512) 0.98-0.99 / 0.98, (100, 32, 64, 512) 0.97-0.99 / 0.97, (200, 64, 32, 256) 0.95 / 0.97, (100, 32, 16, 1024)
+// 0.99 / 0.99; an AVX2 build (-march=x86-64-v3) 0.99 / 0.97, 1.00 / 0.98, 0.98 / 0.95.  Chapter 13's training step
+// at H = 512 (its first layer (32, 64, 32, 512)), 0.99-1.00.  At a few rows a step the loop's tiles are short and it
+// lost: (50, 16, 32, 384) 1.02 / 1.01, (50, 8, 64, 512) 1.03 / 1.02; so it needs 32 rows and D <= 2 B.
+bool fuses_input_side_gradients(int gates, int hidden, int depth, int batch) {
+  return batch >= 32 && depth <= 2 * batch && int64_t{4} * gates * hidden * depth <= kFusedGradientBytes;
+}
 
 // ----------------------------------------------------------------- LSTM
 
@@ -1840,7 +1861,8 @@ void lstm_forward(std::vector<mx::array>& ins, std::vector<mx::array>& outs, con
 //   d_h_n, d_c_n (B, H)
 // outs: d_x_gates (N, 4H), d_h0, d_c0 (B, H) [, with kSumBias d_bias (4H,): d_x_gates' rows summed]
 //   with kInputSide also ins x (N, D), w_ih (4H, D), output (N, H), h0 (B, H) and outs d_x (N, D, or 0 rows),
-//   d_w_ih (4H, D), d_w_hh (4H, H), d_bias (4H,); d_x_gates then has 0 rows (the loop keeps a step's: GateRows)
+//   d_w_ih (4H, D), d_w_hh (4H, H), d_bias (4H,); d_x_gates then has 0 rows (the loop keeps a step's: GateRows),
+//   or where d_w_hh has 0 rows (taken after the loop from d_x_gates: fuses_input_side_gradients), all N
 void lstm_backward(std::vector<mx::array>& ins, std::vector<mx::array>& outs, const Loop& loop) {
 #if defined(__AVX2__) && defined(__FMA__)
   if ((loop.option & kInputSide) || runs_packed(loop)) return lstm_backward_packed(ins, outs, loop);
@@ -1898,7 +1920,8 @@ void gru_forward(std::vector<mx::array>& ins, std::vector<mx::array>& outs, cons
 // outs: d_input_side (N, 3H) (= d_x_gates), d_hidden_side (N, 3H), d_h0 (B, H) [, with kSumBias d_b_hh (3H,):
 //   d_hidden_side's rows summed, and where given a fifth, d_bias (3H,): d_input_side's]
 //   with kInputSide also ins x (N, D), w_ih (3H, D) and outs d_x (N, D, or 0 rows), d_w_ih (3H, D), d_w_hh (3H, H),
-//   d_bias (3H,), d_b_hh (3H,); d_input_side and d_hidden_side then have 0 rows (the loop keeps a step's: GateRows)
+//   d_bias (3H,), d_b_hh (3H,); d_input_side and d_hidden_side then have 0 rows (the loop keeps a step's: GateRows),
+//   d_hidden_side all N where d_w_hh has 0 rows (taken after the loop from it: fuses_input_side_gradients)
 void gru_backward(std::vector<mx::array>& ins, std::vector<mx::array>& outs, const Loop& loop) {
 #if defined(__AVX2__) && defined(__FMA__)
   if ((loop.option & kInputSide) || runs_packed(loop)) return gru_backward_packed(ins, outs, loop);
@@ -2028,10 +2051,11 @@ std::vector<mx::array> sequence(const char* name, seqlib_cpu::CpuLoop<Loop>::Run
 // same steps (which also sums the LSTM's and the GRU's bias gradients: kSumBias), then every step's weight
 // gradient in one product with the states the steps started from (previous_states_product), as MLX operations;
 // after an input-side forward whose gradients are small (fuses_input_gradients), the backward loop takes them
-// itself.  Taking x's gradient in the loop too where they are not (d_input_side @ w_ih on packed w_ih, after each
-// step's meeting) measured even with the matmul after it: LSTM (100, 32, 256, 512) per thread, the product 29-31
-// M cycles in the loop (w_ih streamed from L3 at every step) against 11.4 ms (30 M) for OpenBLAS's, and d_h's
-// product slowed from 50 to 54 M; split by blocks of w_ih, 25-26.5 M but the gate math 13 -> 16 M.
+// itself, and where only its input side's are (fuses_input_side_gradients), those.  Taking x's gradient in the loop
+// where its w_ih is wide (d_input_side @ w_ih on packed w_ih, after each step's meeting) measured even with the
+// matmul after it: LSTM (100, 32, 256, 512) per thread, the product 29-31 M cycles in the loop (w_ih streamed from
+// L3 at every step) against 11.4 ms (30 M) for OpenBLAS's, and d_h's product slowed from 50 to 54 M; split by
+// blocks of w_ih, 25-26.5 M but the gate math 13 -> 16 M.
 // The cotangents of the saved arrays are ignored (they are seqlib's own, never read downstream).
 
 void require_saved(const Loop& loop, const char* op) {
@@ -2101,11 +2125,18 @@ void through_input_side(std::vector<mx::array>& by_input, const mx::array& d_x_g
   by_input.push_back(mx::matmul(mx::transpose(d_x_gates, s), primals[0], s));
 }
 
-// Whether an input-side vjp asks for a weight's gradient (w_hh's or w_ih's: argnums 1, 4): the fused backward
-// computes them all, so it runs only then (frozen weights keep the operations, which MLX skips unasked); and the
-// rows of d_x it computes: all N where x's gradient is asked for (argnum 0), none where not (x is data).
-bool asks_for_weights(const std::vector<int>& argnums) {
-  return std::any_of(argnums.begin(), argnums.end(), [](int k) { return k == 1 || k == 4; });
+// Which gradients an input-side forward's backward (kInputSide) takes in its loop, where the vjp asks for a weight's
+// (w_hh's or w_ih's: argnums 1, 4; frozen weights keep the operations, which MLX skips unasked): all of them
+// (fuses_input_gradients), the input side's alone (fuses_input_side_gradients), or none (MLX operations after the
+// loop).  batch: B, the first step's rows.  And the rows of d_x the loop computes: all N where x's gradient is asked
+// for (argnum 0), none where not (x is data).
+enum class InLoop { kNone, kInputSide, kAll };
+InLoop gradients_in_loop(const Loop& loop, const std::vector<int>& argnums, int gates, int hidden, int depth,
+                         int batch) {
+  const bool weights = std::any_of(argnums.begin(), argnums.end(), [](int k) { return k == 1 || k == 4; });
+  if (!(loop.option & kInputSide) || !weights) return InLoop::kNone;
+  if (fuses_input_gradients(gates, hidden, depth)) return InLoop::kAll;
+  return fuses_input_side_gradients(gates, hidden, depth, batch) ? InLoop::kInputSide : InLoop::kNone;
 }
 int x_rows(const std::vector<int>& argnums, int n) {
   return std::find(argnums.begin(), argnums.end(), 0) != argnums.end() ? n : 0;
@@ -2119,14 +2150,18 @@ std::vector<mx::array> lstm_vjp(const Loop& loop, const std::vector<mx::array>& 
   const bool input_side = loop.option & kInputSide;
   require_saved(loop, input_side ? "lstm_input_sequence" : "lstm_sequence");
   const int n = primals[0].shape(0), b = primals[2].shape(0), h = primals[2].shape(1);
-  if (input_side && fuses_input_gradients(4, h, primals[0].shape(1)) && asks_for_weights(argnums)) {
-    const int d_ = primals[0].shape(1);
+  const int depth = primals[0].shape(1);  // D, with kInputSide
+  const InLoop in_loop = gradients_in_loop(loop, argnums, 4, h, depth, b);
+  if (in_loop != InLoop::kNone) {
+    const bool all = in_loop == InLoop::kAll;  // else d_w_hh after the loop, from every row of d_x_gates
     auto d = run_loop("LSTMSequenceBackward", lstm_backward,
-                      {{0, 4 * h}, {b, h}, {b, h}, {x_rows(argnums, n), d_}, {4 * h, d_}, {4 * h, h}, {4 * h}},
+                      {{all ? 0 : n, 4 * h}, {b, h}, {b, h}, {x_rows(argnums, n), depth}, {4 * h, depth},
+                       {all ? 4 * h : 0, h}, {4 * h}},
                       {&primals[1], &outputs[3], &primals[3], &cotangents[0], &cotangents[1], &cotangents[2],
                        &primals[0], &primals[4], &outputs[0], &primals[2]},
                       Loop{loop.steps, kInputSide});
-    std::vector<mx::array> by_input = {d[3], d[5], d[1], d[2], d[4]};  // x, w_hh, h0, c0, w_ih
+    const mx::array d_w_hh = all ? d[5] : previous_states_product(loop, d[0], outputs[0], primals[2]);
+    std::vector<mx::array> by_input = {d[3], d_w_hh, d[1], d[2], d[4]};  // x, w_hh, h0, c0, w_ih
     if (primals.size() > gate_bias_at(loop)) by_input.push_back(d[6]);
     return pick(argnums, by_input);
   }
@@ -2152,15 +2187,18 @@ std::vector<mx::array> gru_vjp(const Loop& loop, const std::vector<mx::array>& p
   const bool input_side = loop.option & kInputSide;
   require_saved(loop, input_side ? "gru_input_sequence" : "gru_sequence");
   const int n = primals[0].shape(0), b = primals[3].shape(0), h = primals[3].shape(1);
-  if (input_side && fuses_input_gradients(3, h, primals[0].shape(1)) && asks_for_weights(argnums)) {
-    const int d_ = primals[0].shape(1);
+  const int depth = primals[0].shape(1);  // D, with kInputSide
+  const InLoop in_loop = gradients_in_loop(loop, argnums, 3, h, depth, b);
+  if (in_loop != InLoop::kNone) {
+    const bool all = in_loop == InLoop::kAll;  // else d_w_hh after the loop, from every row of the hidden side's
     auto d = run_loop("GRUSequenceBackward", gru_backward,
-                      {{0, 3 * h}, {0, 3 * h}, {b, h}, {x_rows(argnums, n), d_}, {3 * h, d_}, {3 * h, h}, {3 * h},
-                       {3 * h}},
+                      {{0, 3 * h}, {all ? 0 : n, 3 * h}, {b, h}, {x_rows(argnums, n), depth}, {3 * h, depth},
+                       {all ? 3 * h : 0, h}, {3 * h}, {3 * h}},
                       {&primals[1], &outputs[2], &outputs[0], &primals[3], &cotangents[0], &cotangents[1],
                        &primals[0], &primals[4]},
                       Loop{loop.steps, kInputSide});
-    std::vector<mx::array> by_input = {d[3], d[5], d[7], d[2], d[4]};  // x, w_hh, b_hh, h0, w_ih
+    const mx::array d_w_hh = all ? d[5] : previous_states_product(loop, d[1], outputs[0], primals[3]);
+    std::vector<mx::array> by_input = {d[3], d_w_hh, d[7], d[2], d[4]};  // x, w_hh, b_hh, h0, w_ih
     if (primals.size() > gate_bias_at(loop)) by_input.push_back(d[6]);
     return pick(argnums, by_input);
   }
