@@ -7,11 +7,11 @@ Cases (the sizes of the embeddings issue):
   4. The same bag, forward + backward with a sparse gradient (sparse=True).
 Then the peak memory of one training step, dense against sparse.
 
-Case 4 depends on the hour on a shared virtual machine.  On the 2-core Zen 5 most runs gave seqlib
-4.3-5.1 ms against torch's 4.7-5.4 (0.87-0.94), and some gave torch 3.6-4.0 against seqlib 4.6-4.9
-(1.24-1.29).  Runs close together agreed.  No cause was found in either process: no page faults on either side,
-and no huge pages under torch's table.  torch's own huge-page switch (``THP_MEM_ALLOC_ENABLE=1``) made its
-dense backward over 20x slower, so the suite leaves it off.  seqlib's step is about 1.5 ms of pooling, 1.7 ms of
+Case 4 depends on the run on a shared virtual machine.  On the 2-core Zen 5 many runs gave seqlib 4.3-5.1 ms
+against torch's 4.7-5.4 (0.87-0.97), and others gave torch 3.6-4.0 against seqlib 4.6-4.9 (1.24-1.29); two runs
+back to back gave 0.97, then 1.26.  No cause was found in either process: no page faults on either side, and no
+huge pages under torch's table.  torch's own huge-page switch (``THP_MEM_ALLOC_ENABLE=1``) made its dense
+backward over 20x slower, so the suite leaves it off.  seqlib's step is about 1.5 ms of pooling, 1.7 ms of
 backward (a zeroed range per 256 KB of rows, then the entries added in L2) and 0.8-0.9 ms of tracing the
 loss twice and finding the unique rows, as its gradient is coalesced where torch's is not.  So case 4 also times
 torch's step followed by ``coalesce()``, the form seqlib returns (sorted unique rows, as torch's ``SparseAdam`` and
