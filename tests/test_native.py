@@ -254,6 +254,8 @@ INPUT_CASES = [
     ([6] * 40, 130, 70, True),  # D past a depth chunk of the tiles (128)
     ([9] * 8 + [4] * 3, 20, 40, True),  # partial blocks of the weight gradients' rows, narrow and wide
     ([7] * 2 + [3], 12, 300, True),  # small batch, wide: a team of threads shares the blocks
+    ([5] * 33 + [3] * 2, 20, 230, True),  # 35 rows a step, w_hh's gradient too large: the loop takes the input side's
+    ([6] * 32, 24, 230, True),  # the same with every step full (w_hh's gradient from slices of the output)
     ([5] * 4, 200, 16, False),  # D > 8 B: a matmul, then the loop on x_gates
     ([3] * 16, 32, 32, False),  # too few steps to pack: a matmul, then OpenBLAS's loop
 ]
@@ -728,7 +730,8 @@ def test_packed_loops_shared_among_threads_give_the_bits_of_one_thread(tmp_path)
     threads, its rows too; each output's products add in the same order whichever thread computes it, so every
     thread count (1 to 4; more where the machine has them) gives the same outputs, saved arrays and gradients.
     So do the LSTM's and the GRU's loops that compute their input side (D <= 4 B: at batch 1, D = 4), and their
-    backward loops that take the input side's gradients (weights and biases) too."""
+    backward loops that take the input side's gradients (weights and biases) too, with w_hh's or (the last shape)
+    without."""
     counts = ("1", "2", "3", "4", "16")
     assert_every_thread_count_gives_the_same_bits(BIG_STEPS.format(shapes=LARGE_STEPS, gate_counts=(4, 3)), tmp_path,
                                                   counts=counts)  # fmt: skip
@@ -736,7 +739,8 @@ def test_packed_loops_shared_among_threads_give_the_bits_of_one_thread(tmp_path)
                                                   counts=counts)  # fmt: skip
     assert_every_thread_count_gives_the_same_bits(BIG_STEPS.format(shapes=SMALL_BATCHES, gate_counts=(3,)), tmp_path,
                                                   counts=counts[1:])  # fmt: skip
-    input_shapes = tuple((*shape, min(4 * shape[1], 96)) for shape in LARGE_STEPS + SMALL_BATCHES)
+    input_shapes = [(*shape, min(4 * shape[1], 96)) for shape in LARGE_STEPS + SMALL_BATCHES]
+    input_shapes.append((5, 48, 256, 32))  # B >= 32, w_hh's gradient too large: the loop takes the input side's alone
     assert_every_thread_count_gives_the_same_bits(INPUT_STEPS.format(shapes=input_shapes), tmp_path, counts=counts)
 
 

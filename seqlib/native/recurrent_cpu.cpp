@@ -22,7 +22,8 @@
 //                                            of its hidden side (for db_hh, and dW_hh with the states
 //                                            each step started from: previous_states_product); after an
 //                                            input-side forward, where they are small, also d_x and the
-//                                            weights' and biases' gradients (InputGradients)
+//                                            weights' and biases' gradients (InputGradients), or where only
+//                                            the input side's are, those (gradients_in_loop)
 //   SwapLeadingAxes                          a batch-first input copied time-major, on several threads
 //
 // All are cpu_loop.h's one primitive class, CpuLoop, running one of the loops below.
@@ -1447,9 +1448,9 @@ inline void accumulate_rows(Transposed& sums, int count, const float* d, int ldd
   }
 }
 
-// One step's weight and bias gradients for the gate rows of d_w_ih and d_w_hh (the same rows, see above), the
-// index-th step computed: the step's rows of x and of the states they started from as the sources; tick() after
-// each tile.
+// One step's weight and bias gradients for the gate rows of d_w_ih and d_w_hh (the same rows, see above; d_w_hh
+// nullptr where one product takes it after the loop), the index-th step computed: the step's rows of x and of the
+// states they started from as the sources; tick() after each tile.
 template <class Tick>
 void accumulate_step_gradients(const Loop& loop, const Step& step, size_t index, const InputGradients& in,
                                Transposed& d_w_ih, Transposed* d_w_hh, std::vector<const float*>& sources, Tick tick) {
@@ -1513,7 +1514,7 @@ void ask_gradient_sources(LineRequests& lines, const Loop& loop, const Step& ste
 // rows: 62 M -> 52-54 M (gate math 13.5 -> 5.5-6.8, the product 13.3 -> 9-10, the weight gradients 23 -> 26-29:
 // half their rows of d_gates now come from the other core).
 //
-// Asked for a step ahead (with input, where a step's arrays are small: see fuses_input_gradients): after the
+// Asked for a step ahead (with input: see fuses_input_gradients and fuses_input_side_gradients): after the
 // meeting a thread lists what this step's weight gradients read that its caches may lack (ask_gradient_sources)
 // and what the next step's gate math reads from memory (gate_inputs: the saved activations, the states, the gradient
 // reaching the output), and each tile of the step asks L2 for a share of those lines (tick).  The gate math then
@@ -1523,9 +1524,12 @@ void ask_gradient_sources(LineRequests& lines, const Loop& loop, const Step& ste
 // whose tiles they evicted from L1, from 27.0 to 30.3: the GRU's backward loop per thread, medians of 15 calls in
 // alternated processes, 53.2 M without against 54.7 M, its layer's forward+backward 34.3 against 35.2 ms; the LSTM's
 // loop 69.8 against 70.8 M.  Without input (the larger layers, whose steps took few tiles for many lines) the
-// requests came in bursts and bought nothing: none are made there.  Asking for all of them before the weight
-// gradients (during the product's and d_x's tiles only) was slower: GRU and LSTM layer forward+backward at (200,
-// 64, 128, 128) 1.04-1.06 and 1.02 of this order; asking for the other threads' rows of d_gates first, even.
+// requests came in bursts and bought nothing: none are made there.  With the input side's gradients alone (larger
+// layers too, the states no longer asked for), leaving them out measured even: layer forward+backward at (32, 64,
+// 32, 512), (100, 32, 64, 512) and (200, 64, 32, 256), LSTM and GRU, 1.000-1.006 of this.  Asking for all of them
+// before the weight gradients (during the product's and d_x's tiles only) was slower: GRU and LSTM layer
+// forward+backward at (200, 64, 128, 128) 1.04-1.06 and 1.02 of this order; asking for the other threads' rows of
+// d_gates first, even.
 //
 // Not kept either: the gate math of the step before in the product's epilogue, on each finished tile of d_h (as
 // the forward does).  It cost as much there as in its own pass (GRU at (200, 64, 128, 128), per thread: gate math
@@ -1646,8 +1650,8 @@ void packed_backward_steps(const Loop& loop, int batch, int hidden, const float*
 }
 
 // A backward's InputGradients (kInputSide): x and w_ih at ins[at], ins[at + 1]; the outputs from outs[3] on (d_x,
-// empty where not asked for; d_w_ih, d_w_hh, d_bias, then the GRU's d_b_hh), the accumulated ones (the biases')
-// zeroed.
+// empty where not asked for; d_w_ih, d_w_hh, empty where taken after the loop; d_bias, then the GRU's d_b_hh), the
+// accumulated ones (the biases') zeroed.
 InputGradients input_gradients(const std::vector<mx::array>& ins, std::vector<mx::array>& outs, size_t at,
                                const mx::array& h0, const mx::array& output, const GateRows& d_input_side,
                                const GateRows& d_hidden_side) {
