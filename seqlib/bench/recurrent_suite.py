@@ -65,7 +65,7 @@ SCALING_BATCHES, SCALING_WIDTH = (1, 32), 128
 STREAM_WIDTHS, QUICK_STREAM_WIDTHS, STREAM_STEPS = (128, 512), (16,), 50
 # 8-bit weights pay where the float step is bound by reading its weights from memory.  An LSTMCell's float weights
 # are 8 MB at H = 512, which a large L3 holds (the 2-core Zen 5: 32 MB, and there 8-bit / float was 0.58-0.65), and
-# 32 MB at H = 1,024, which streams from memory on most machines (there 0.30-0.36).
+# 32 MB at H = 1,024, which streams from memory on most machines (there 0.30-0.37).
 QUANTIZED_WIDTHS, QUICK_QUANTIZED_WIDTHS, QUANTIZED_BITS, QUANTIZED_GROUP = (128, 512, 1024), (64,), 8, 64
 # Training: chapter 13's character model at two widths.
 TRAINING_WIDTHS, QUICK_TRAINING_WIDTHS = (128, 512), (16,)

@@ -1818,10 +1818,11 @@ bool fuses_input_gradients(int gates, int hidden, int depth) {
 // first kernel of ours for them, without OpenBLAS's packing, ran at 160 and 90 (rows 8 KB apart share L1's and L2's
 // sets).  Layer forward+backward (all gradients, x's too), this against the four operations after the loop,
 // interleaved in one process, 2-core Zen 5 (tools/ab_native.py's compare; LSTM / GRU): (T, B, D, H) = (32, 64, 32,
-// 512) 0.98-0.99 / 0.98, (100, 32, 64, 512) 0.97-0.99 / 0.97, (200, 64, 32, 256) 0.95 / 0.97, (100, 32, 16, 1024)
-// 0.99 / 0.99; an AVX2 build (-march=x86-64-v3) 0.99 / 0.97, 1.00 / 0.98, 0.98 / 0.95.  Chapter 13's training step
-// at H = 512 (its first layer (32, 64, 32, 512)), 0.99-1.00.  At a few rows a step the loop's tiles are short and it
-// lost: (50, 16, 32, 384) 1.02 / 1.01, (50, 8, 64, 512) 1.03 / 1.02; so it needs 32 rows and D <= 2 B.
+// 512) 0.98-0.99 / 0.98-0.99, (100, 32, 64, 512) 0.97-0.99 / 0.96-0.97, (200, 64, 32, 256) 0.95-0.96 / 0.96-0.97,
+// (100, 32, 16, 1024) 0.99 / 0.99; an AVX2 build (-march=x86-64-v3) 0.99 / 0.97, 1.00 / 0.98, 0.98 / 0.95.  The
+// benchmark's training step of chapter 13's model at H = 512 (its first layer is (32, 64, 32, 512)): 0.997-1.008,
+// within its noise.  At a few rows a step the loop's tiles are short and it lost: (50, 16, 32, 384) 1.02 / 1.01,
+// (50, 8, 64, 512) 1.03 / 1.02; so it needs 32 rows and D <= 2 B.
 bool fuses_input_side_gradients(int gates, int hidden, int depth, int batch) {
   return batch >= 32 && depth <= 2 * batch && int64_t{4} * gates * hidden * depth <= kFusedGradientBytes;
 }
